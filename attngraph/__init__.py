@@ -1,0 +1,22 @@
+"""attngraph: a torch.compile backend and paged-KV runtime for Hugging Face models."""
+
+from .config import CompileConfig
+from .errors import (
+    AttnGraphError,
+    BackendUnavailableError,
+    CaptureError,
+    ConfigError,
+    KVCacheFullError,
+    UnsupportedModelError,
+)
+from .runtime import attention_op as _attention_op  # registers torch.ops.attngraph.attention
+
+__all__ = [
+    "AttnGraphError",
+    "BackendUnavailableError",
+    "CaptureError",
+    "CompileConfig",
+    "ConfigError",
+    "KVCacheFullError",
+    "UnsupportedModelError",
+]

@@ -1,0 +1,182 @@
+"""The AttentionBackend contract.
+
+A backend turns one `ForwardBatch` into kernel metadata once per step
+(`init_forward_metadata`), then serves every attention layer of that step (`forward`).
+The split of the metadata work follows what CUDA graphs need:
+
+* `init_forward_metadata_out_graph(batch, in_capture)`: host side, dynamic shapes, may read
+  the host copies of the lengths (``batch.seq_lens_cpu``). Never recorded into a graph.
+* `init_forward_metadata_in_graph(batch)`: static-shape device work only (no ``.item()``,
+  ``.cpu()``, ``.tolist()``, no allocation); safe to record into a CUDA graph and replay.
+
+Layouts: ``q: [T, num_q_heads, head_dim]``, ``k/v: [T, num_kv_heads, head_dim]`` (GQA keeps its
+own KV head count), output ``[T, num_q_heads, v_head_dim]``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from ..runtime.forward_batch import ForwardBatch
+
+
+class GraphSupport(enum.IntEnum):
+    """How much of a step a backend allows inside CUDA graphs."""
+
+    NEVER = 0  # attention must run eagerly and its metadata cannot be refreshed in place
+    PIECEWISE = 1  # attention runs eagerly between captured pieces
+    FULL = 2  # attention itself is captured; metadata refreshed in place before replay
+
+
+@dataclass(frozen=True)
+class AttentionLayer:
+    """Static attributes of one attention site, as lowered into the op.
+
+    ``window_left``: a query at position ``i`` sees keys ``j`` with ``i - window_left <= j``
+    (``-1``: no window). ``logit_cap``: ``cap * tanh(s / cap)`` applied to the scaled scores
+    (``0``: none). ``causal=False`` means every query sees every key of its request.
+    """
+
+    layer_id: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    scale: float
+    causal: bool = True
+    window_left: int = -1
+    logit_cap: float = 0.0
+
+    @property
+    def gqa_group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class ModelAttentionSpec:
+    """What a model asks of a backend: the union over its attention layers."""
+
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dims: tuple[int, ...]
+    dtype: torch.dtype
+    device_type: str
+    page_size: int
+    uses_window: bool = False
+    uses_logit_cap: bool = False
+    non_causal: bool = False
+
+
+@dataclass(frozen=True)
+class BackendCapabilities:
+    """What a backend can serve. ``None`` in a tuple field means "any"."""
+
+    device_types: tuple[str, ...]
+    dtypes: tuple[torch.dtype, ...]
+    head_dims: tuple[int, ...] | None = None
+    page_sizes: tuple[int, ...] | None = None
+    sliding_window: bool = True
+    logit_cap: bool = True
+    non_causal: bool = True
+    dense: bool = True  # serves the stateless (no ForwardContext batch) form
+    graph_support: dict[str, GraphSupport] = field(
+        default_factory=lambda: {"decode": GraphSupport.NEVER, "extend": GraphSupport.NEVER}
+    )
+
+    def why_not(self, spec: ModelAttentionSpec) -> str | None:
+        """None when ``spec`` can be served, else the reason in words."""
+        if spec.device_type not in self.device_types:
+            return f"runs on {self.device_types}, not {spec.device_type}"
+        if spec.dtype not in self.dtypes:
+            return f"supports dtypes {[str(d) for d in self.dtypes]}, not {spec.dtype}"
+        if self.head_dims is not None:
+            bad = [d for d in spec.head_dims if d not in self.head_dims]
+            if bad:
+                return f"supports head dims {self.head_dims}, not {bad}"
+        if self.page_sizes is not None and spec.page_size not in self.page_sizes:
+            return f"supports page sizes {self.page_sizes}, not {spec.page_size}"
+        if spec.uses_window and not self.sliding_window:
+            return "does not support sliding-window attention"
+        if spec.uses_logit_cap and not self.logit_cap:
+            return "does not support logit softcapping"
+        if spec.non_causal and not self.non_causal:
+            return "does not support non-causal attention"
+        return None
+
+
+class AttentionBackend:
+    """Base class of every attention backend (see the module docstring for the contract)."""
+
+    name: ClassVar[str] = "base"
+    capabilities: ClassVar[BackendCapabilities]
+    #: Lengths used for dummy requests while capturing: 1, not 0, since capture really runs kernels.
+    cuda_graph_seq_len_fill_value: ClassVar[int] = 1
+
+    def __init__(self, spec: ModelAttentionSpec | None = None) -> None:
+        self.spec = spec
+
+    # ------------------------------------------------------------------ metadata
+    def init_forward_metadata(self, batch: "ForwardBatch") -> None:
+        """Prepare metadata for ``batch``; called once per step before the first layer."""
+        self.init_forward_metadata_out_graph(batch, in_capture=False)
+        self.init_forward_metadata_in_graph(batch)
+
+    def init_forward_metadata_out_graph(self, batch: "ForwardBatch", in_capture: bool = False) -> None:
+        """Host-side, dynamic-shape work (planning); never recorded into a CUDA graph."""
+
+    def init_forward_metadata_in_graph(self, batch: "ForwardBatch") -> None:
+        """Static-shape device work only; may be recorded into a CUDA graph."""
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Preallocate every buffer a captured kernel reads (indptr, indices, split buffers)."""
+
+    # ------------------------------------------------------------------ compute
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        batch: "ForwardBatch",
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        """Paged attention of the new tokens of ``batch``.
+
+        ``q: [T, Hq, D]``, ``k: [T, Hkv, D]``, ``v: [T, Hkv, Dv]`` are the new tokens'; with
+        ``save_kv_cache`` the backend writes k/v into the pool at ``batch.out_cache_loc`` first.
+        Returns ``[T, Hq, Dv]``.
+        """
+        from ..runtime.forward_batch import ForwardMode
+
+        if batch.mode is ForwardMode.IDLE:
+            return q.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))
+        if batch.mode is ForwardMode.DECODE:
+            return self.forward_decode(q, k, v, layer, batch, save_kv_cache)
+        return self.forward_extend(q, k, v, layer, batch, save_kv_cache)
+
+    def forward_decode(self, q, k, v, layer: AttentionLayer, batch: "ForwardBatch", save_kv_cache: bool = True) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} has no decode path")
+
+    def forward_extend(self, q, k, v, layer: AttentionLayer, batch: "ForwardBatch", save_kv_cache: bool = True) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} has no extend path")
+
+    def forward_dense(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch_size: int
+    ) -> torch.Tensor:
+        """Stateless attention over a dense batch.
+
+        ``q: [B * Sq, Hq, D]``, ``k/v: [B * Sk, Hkv, D]`` with every sequence of the same
+        length; causal attention is aligned bottom-right (query ``i`` sits at key position
+        ``Sk - Sq + i``). Returns ``[B * Sq, Hq, Dv]``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no dense path")
+
+    # ------------------------------------------------------------------ helpers
+    def save_kv(self, layer: AttentionLayer, batch: "ForwardBatch", k: torch.Tensor, v: torch.Tensor) -> None:
+        batch.kv_pool.write(layer.layer_id, batch.out_cache_loc, k, v)

@@ -1,0 +1,112 @@
+"""Registry of attention backends: a dict of lazy factories plus a decorator.
+
+Factories import their heavy dependency (FlashInfer, Triton) only when called, so
+``import attngraph`` works on a machine without them; a missing dependency surfaces as
+`BackendUnavailableError` naming the install command and the alternatives.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+import torch
+
+from ..errors import BackendUnavailableError
+from .base import AttentionBackend, ModelAttentionSpec
+
+BackendFactory = Callable[[], type[AttentionBackend]]
+
+_FACTORIES: dict[str, BackendFactory] = {}
+#: Preference order of "auto" on CUDA; the first one that can serve the model wins.
+_AUTO_ORDER_CUDA = ("flashinfer", "triton", "torch_native")
+_AUTO_ORDER_CPU = ("torch_native",)
+
+
+def register_attention_backend(name: str) -> Callable[[BackendFactory], BackendFactory]:
+    """Decorator: register ``factory`` (returning the backend class) under ``name``."""
+
+    def deco(factory: BackendFactory) -> BackendFactory:
+        if name in _FACTORIES:
+            raise ValueError(f"attention backend {name!r} is already registered")
+        _FACTORIES[name] = factory
+        return factory
+
+    return deco
+
+
+def known_backend_names() -> tuple[str, ...]:
+    return tuple(_FACTORIES)
+
+
+def get_backend_class(name: str) -> type[AttentionBackend]:
+    """The backend class registered as ``name``; raises `BackendUnavailableError` if it cannot load."""
+    if name not in _FACTORIES:
+        raise BackendUnavailableError(
+            f"unknown attention backend {name!r}; registered: {sorted(_FACTORIES)} (or 'auto')"
+        )
+    return _FACTORIES[name]()
+
+
+def _why_not(name: str, spec: ModelAttentionSpec) -> str | None:
+    try:
+        cls = get_backend_class(name)
+    except BackendUnavailableError as exc:
+        return str(exc)
+    return cls.capabilities.why_not(spec)
+
+
+def resolve_backend_name(name: str, spec: ModelAttentionSpec) -> str:
+    """Turn ``"auto"`` into a concrete backend name for ``spec``; check an explicit one.
+
+    Raises `BackendUnavailableError` with the reason (and the alternatives that would work)
+    when the named backend cannot serve the model.
+    """
+    if name == "auto":
+        order = _AUTO_ORDER_CUDA if spec.device_type == "cuda" else _AUTO_ORDER_CPU
+        reasons = []
+        for cand in order:
+            why = _why_not(cand, spec)
+            if why is None:
+                return cand
+            reasons.append(f"{cand}: {why}")
+        raise BackendUnavailableError("no attention backend can serve this model: " + "; ".join(reasons))
+    why = _why_not(name, spec)
+    if why is not None:
+        alternatives = [n for n in _FACTORIES if n != name and _why_not(n, spec) is None]
+        raise BackendUnavailableError(
+            f"attention backend {name!r} cannot serve this model: {why}. "
+            f"Backends that can: {alternatives or 'none'}"
+        )
+    return name
+
+
+def create_backend(name: str, spec: ModelAttentionSpec) -> AttentionBackend:
+    """Instantiate backend ``name`` (or ``"auto"``) for ``spec``."""
+    return get_backend_class(resolve_backend_name(name, spec))(spec)
+
+
+def _lazy(module: str, attr: str, install_hint: str | None = None) -> BackendFactory:
+    def factory() -> type[AttentionBackend]:
+        try:
+            mod = importlib.import_module(module, package=__package__)
+        except ImportError as exc:
+            hint = f" Install it with `{install_hint}`." if install_hint else ""
+            raise BackendUnavailableError(
+                f"attention backend from {module} is unavailable ({exc}).{hint} "
+                "Alternatives: attention_backend='triton' (CUDA) or 'torch_native' (any device)."
+            ) from exc
+        return getattr(mod, attr)
+
+    return factory
+
+
+register_attention_backend("torch_native")(_lazy(".torch_native", "TorchNativeBackend"))
+register_attention_backend("triton")(_lazy(".triton_backend", "TritonBackend", "pip install triton"))
+register_attention_backend("flashinfer")(
+    _lazy(".flashinfer_backend", "FlashInferBackend", "pip install 'attngraph[flashinfer]'")
+)
+
+
+def default_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"

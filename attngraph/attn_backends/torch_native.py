@@ -1,0 +1,96 @@
+"""`torch_native`: the correctness reference. Gathers each request's pages and calls SDPA.
+
+Plain and per-request on purpose (a Python loop over requests): it is what the GPU backends
+are checked against, so it must be obviously right rather than fast.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .base import AttentionBackend, AttentionLayer, BackendCapabilities, GraphSupport
+
+
+def allowed_keys(q_pos: torch.Tensor, num_keys: int, layer: AttentionLayer) -> torch.Tensor:
+    """Bool ``[Sq, Sk]``: may query at position ``q_pos[i]`` see the key at position ``j``."""
+    k_pos = torch.arange(num_keys, device=q_pos.device)
+    ok = torch.ones((q_pos.shape[0], num_keys), dtype=torch.bool, device=q_pos.device)
+    if layer.causal:
+        ok &= k_pos[None, :] <= q_pos[:, None]
+        if layer.window_left >= 0:
+            ok &= k_pos[None, :] >= q_pos[:, None] - layer.window_left
+    elif layer.window_left >= 0:
+        ok &= (k_pos[None, :] - q_pos[:, None]).abs() <= layer.window_left
+    return ok
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
+    """Attention of queries at positions ``q_pos`` over keys at positions ``0..Sk-1``.
+
+    ``q: [..., Hq, Sq, D]``, ``k: [..., Hkv, Sk, D]``, ``v: [..., Hkv, Sk, Dv]``,
+    ``q_pos: [Sq]`` -> ``[..., Hq, Sq, Dv]`` in q's dtype.
+    """
+    mask = allowed_keys(q_pos, k.shape[-2], layer)
+    if layer.logit_cap > 0:
+        group = q.shape[-3] // k.shape[-3]
+        kr = k.repeat_interleave(group, dim=-3).float()
+        vr = v.repeat_interleave(group, dim=-3).float()
+        s = torch.matmul(q.float(), kr.transpose(-1, -2)) * layer.scale
+        s = layer.logit_cap * torch.tanh(s / layer.logit_cap)
+        s = s.masked_fill(~mask, float("-inf"))
+        return torch.matmul(torch.softmax(s, dim=-1), vr).to(q.dtype)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=q.shape[-3] != k.shape[-3]
+    )
+
+
+class TorchNativeBackend(AttentionBackend):
+    name = "torch_native"
+    capabilities = BackendCapabilities(
+        device_types=("cpu", "cuda"),
+        dtypes=(torch.float32, torch.float16, torch.bfloat16),
+        graph_support={"decode": GraphSupport.NEVER, "extend": GraphSupport.NEVER},
+    )
+
+    def forward_dense(self, q, k, v, layer: AttentionLayer, batch_size: int) -> torch.Tensor:
+        b = int(batch_size)
+        sq, sk = q.shape[0] // b, k.shape[0] // b
+        # [B*S, H, D] -> [B, H, S, D]
+        q4 = q.view(b, sq, q.shape[1], q.shape[2]).transpose(1, 2)
+        k4 = k.view(b, sk, k.shape[1], k.shape[2]).transpose(1, 2)
+        v4 = v.view(b, sk, v.shape[1], v.shape[2]).transpose(1, 2)
+        q_pos = torch.arange(sk - sq, sk, device=q.device)
+        out = reference_attention(q4, k4, v4, q_pos, layer)  # [B, Hq, Sq, Dv]
+        return out.transpose(1, 2).reshape(b * sq, layer.num_q_heads, v.shape[-1])
+
+    def _paged(self, q, k, v, layer: AttentionLayer, batch, save_kv_cache: bool) -> torch.Tensor:
+        if save_kv_cache:
+            self.save_kv(layer, batch, k, v)
+        pool = batch.kv_pool
+        kbuf, vbuf = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
+        out = q.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))
+        rows = batch.req_pool_indices.tolist()
+        starts = batch.qo_indptr.tolist()
+        for i, row in enumerate(rows):
+            seq_len = int(batch.seq_lens_cpu[i])
+            n_new = int(batch.extend_seq_lens_cpu[i])
+            if n_new == 0:
+                continue
+            pages = pool.req_to_page[row, : math.ceil(seq_len / pool.page_size)].long()
+            # [pages, page_size, Hkv, D] -> [Hkv, seq_len, D]
+            kr = kbuf[pages].reshape(-1, pool.num_kv_heads, pool.head_dim)[:seq_len].transpose(0, 1)
+            vr = vbuf[pages].reshape(-1, pool.num_kv_heads, pool.v_head_dim)[:seq_len].transpose(0, 1)
+            qs = q[starts[i] : starts[i] + n_new].transpose(0, 1)  # [Hq, n_new, D]
+            q_pos = torch.arange(seq_len - n_new, seq_len, device=q.device)
+            o = reference_attention(qs, kr.to(q.dtype), vr.to(q.dtype), q_pos, layer)
+            out[starts[i] : starts[i] + n_new] = o.transpose(0, 1)
+        return out
+
+    def forward_decode(self, q, k, v, layer, batch, save_kv_cache=True):
+        return self._paged(q, k, v, layer, batch, save_kv_cache)
+
+    def forward_extend(self, q, k, v, layer, batch, save_kv_cache=True):
+        return self._paged(q, k, v, layer, batch, save_kv_cache)

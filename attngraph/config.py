@@ -1,0 +1,147 @@
+"""`CompileConfig`: every knob of attngraph in one frozen, validated dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ConfigError
+
+CUDA_GRAPH_MODES = ("none", "piecewise", "full", "auto")
+PIECE_COMPILERS = ("auto", "inductor", "eager")
+
+
+def default_capture_sizes() -> tuple[int, ...]:
+    """Batch sizes captured by default: 1, 2, 4, 8, then steps of 8 up to 256."""
+    return (1, 2, 4) + tuple(range(8, 257, 8))
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """Configuration of the attngraph compiler and runtime.
+
+    Parameters
+    ----------
+    attention_backend:
+        Name of a registered attention backend (``"torch_native"``, ``"triton"``,
+        ``"flashinfer"``) or ``"auto"``: FlashInfer when importable on CUDA, else Triton on
+        CUDA, else torch_native.
+    prefill_attention_backend, decode_attention_backend:
+        Override the backend for prefill (EXTEND/MIXED) or DECODE steps only; when they differ
+        a `HybridBackend` routes by mode. ``None`` inherits ``attention_backend``.
+    cuda_graph:
+        ``"none"``, ``"piecewise"`` (static pieces between attention ops are captured per
+        batch size), ``"full"`` (whole decode step captured), or ``"auto"`` (piecewise on CUDA,
+        none on CPU).
+    cuda_graph_capture_sizes:
+        Batch sizes (tokens for piecewise) captured; the real batch is padded up to the next one.
+    page_size:
+        Tokens per KV page (>= 1).
+    kv_cache_tokens, kv_memory_fraction:
+        Size of the KV pool as a token count, or as a fraction of free device memory. At most
+        one may be set; with neither, the pool holds ``max_requests * max_context_len`` tokens.
+    max_requests, max_context_len:
+        Rows and width of the request-to-page table. ``max_context_len=None`` takes the
+        model's ``max_position_embeddings`` (capped at 32768).
+    piece_compiler:
+        How graph pieces are compiled: ``"inductor"``, ``"eager"`` (run the FX graph as is), or
+        ``"auto"`` (inductor on CUDA, eager on CPU).
+    lower_attention:
+        Set False to run the passes for reporting only (nothing rewritten).
+    deterministic:
+        Fixed split counts and reduction order, so repeated runs give bit-identical results.
+    debug_dump_dir:
+        Folder for FX graph dumps before/after each pass. The environment variable
+        ``ATTNGRAPH_DEBUG=1`` turns dumps on with a temporary folder named in the log.
+
+    Examples
+    --------
+    >>> cfg = CompileConfig(attention_backend="torch_native", page_size=16)
+    >>> cfg.replace(page_size=1).page_size
+    1
+    """
+
+    attention_backend: str = "auto"
+    prefill_attention_backend: str | None = None
+    decode_attention_backend: str | None = None
+    cuda_graph: str = "auto"
+    cuda_graph_capture_sizes: tuple[int, ...] = field(default_factory=default_capture_sizes)
+    page_size: int = 16
+    kv_cache_tokens: int | None = None
+    kv_memory_fraction: float | None = None
+    max_requests: int = 256
+    max_context_len: int | None = None
+    piece_compiler: str = "auto"
+    lower_attention: bool = True
+    deterministic: bool = False
+    debug_dump_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        from .attn_backends.registry import known_backend_names
+
+        names = known_backend_names() + ("auto",)
+        for fname in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
+            value = getattr(self, fname)
+            if value is None and fname != "attention_backend":
+                continue
+            if value not in names:
+                raise ConfigError(
+                    f"{fname}={value!r} is not a known attention backend; choose one of {sorted(names)}"
+                )
+        if self.cuda_graph not in CUDA_GRAPH_MODES:
+            raise ConfigError(f"cuda_graph={self.cuda_graph!r}; choose one of {CUDA_GRAPH_MODES}")
+        if self.piece_compiler not in PIECE_COMPILERS:
+            raise ConfigError(f"piece_compiler={self.piece_compiler!r}; choose one of {PIECE_COMPILERS}")
+        sizes = tuple(self.cuda_graph_capture_sizes)
+        if not sizes or any((not isinstance(s, int)) or s < 1 for s in sizes):
+            raise ConfigError(f"cuda_graph_capture_sizes must be positive ints, got {sizes!r}")
+        object.__setattr__(self, "cuda_graph_capture_sizes", tuple(sorted(set(sizes))))
+        _check_int(self.page_size, "page_size", 1)
+        _check_int(self.max_requests, "max_requests", 1)
+        if self.max_context_len is not None:
+            _check_int(self.max_context_len, "max_context_len", 1)
+        if self.kv_cache_tokens is not None and self.kv_memory_fraction is not None:
+            raise ConfigError(
+                "set either kv_cache_tokens or kv_memory_fraction, not both "
+                f"(got {self.kv_cache_tokens} and {self.kv_memory_fraction})"
+            )
+        if self.kv_cache_tokens is not None:
+            _check_int(self.kv_cache_tokens, "kv_cache_tokens", 1)
+        if self.kv_memory_fraction is not None and not (0.0 < float(self.kv_memory_fraction) < 1.0):
+            raise ConfigError(f"kv_memory_fraction must be in (0, 1), got {self.kv_memory_fraction}")
+        if self.debug_dump_dir is None and os.environ.get("ATTNGRAPH_DEBUG", "") not in ("", "0"):
+            import tempfile
+
+            object.__setattr__(self, "debug_dump_dir", tempfile.mkdtemp(prefix="attngraph-debug-"))
+
+    @classmethod
+    def from_kwargs(cls, config: "CompileConfig | None" = None, **kwargs: Any) -> "CompileConfig":
+        """Build a config from keyword arguments, naming any unknown one in the error."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigError(f"unknown CompileConfig field(s) {unknown}; known fields: {sorted(known)}")
+        if config is None:
+            return cls(**kwargs)
+        return config.replace(**kwargs)
+
+    def replace(self, **changes: Any) -> "CompileConfig":
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def resolved_piece_compiler(self, device_type: str) -> str:
+        if self.piece_compiler != "auto":
+            return self.piece_compiler
+        return "inductor" if device_type == "cuda" else "eager"
+
+    def resolved_cuda_graph(self, device_type: str) -> str:
+        if device_type != "cuda":
+            return "none"
+        return "piecewise" if self.cuda_graph == "auto" else self.cuda_graph
+
+
+def _check_int(value: Any, name: str, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")

@@ -1,0 +1,27 @@
+"""Exceptions raised by attngraph. Every message says what to do next."""
+
+from __future__ import annotations
+
+
+class AttnGraphError(Exception):
+    """Base class of every error attngraph raises on purpose."""
+
+
+class ConfigError(AttnGraphError, ValueError):
+    """A `CompileConfig` field is unknown, out of range, or conflicts with another."""
+
+
+class UnsupportedModelError(AttnGraphError):
+    """The model (or one of its attention sites) cannot be served; the message lists why."""
+
+
+class BackendUnavailableError(AttnGraphError):
+    """An attention backend cannot be used here (missing package, device, or capability)."""
+
+
+class KVCacheFullError(AttnGraphError):
+    """The paged KV pool has too few free pages; raised before anything is written."""
+
+
+class CaptureError(AttnGraphError):
+    """CUDA graph capture failed or a replay found its inputs moved."""

@@ -1,0 +1,63 @@
+"""`torch.ops.attngraph.attention`: the op that lowered attention sites call.
+
+Opaque to Dynamo and inductor (a `torch.library.custom_op` with a fake implementation), and
+the point where the piecewise split cuts the graph. What it computes depends on the
+`ForwardContext`:
+
+* no context, or a context without a batch (the stateless form): dense attention over
+  ``batch_size`` equal-length sequences, by the context's backend (torch_native without one);
+* a context with a `ForwardBatch` (the paged form): the new tokens' K/V are written into the
+  pool and every request attends to its cached prefix plus its new tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..attn_backends.base import AttentionLayer
+from .forward_context import get_forward_context
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer(layer_id: int, hq: int, hkv: int, d: int, dv: int, scale: float, causal: bool, window_left: int, logit_cap: float) -> AttentionLayer:
+    return AttentionLayer(layer_id, hq, hkv, d, dv, scale, causal, window_left, logit_cap)
+
+
+@functools.lru_cache(maxsize=1)
+def _reference_backend():
+    from ..attn_backends.torch_native import TorchNativeBackend
+
+    return TorchNativeBackend()
+
+
+@torch.library.custom_op("attngraph::attention", mutates_args=())
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_id: int,
+    scale: float,
+    causal: bool,
+    window_left: int,
+    logit_cap: float,
+    batch_size: int,
+) -> torch.Tensor:
+    """Attention of ``q: [T, Hq, D]`` over ``k: [Tk, Hkv, D]``, ``v: [Tk, Hkv, Dv]`` -> ``[T, Hq, Dv]``.
+
+    ``layer_id`` names the KV-pool layer (paged form). ``window_left = -1``: no window.
+    ``logit_cap = 0``: no softcap. ``batch_size``: number of equal-length sequences in the
+    stateless form (ignored in the paged form, where the ForwardBatch gives the structure).
+    """
+    layer = _layer(layer_id, q.shape[1], k.shape[1], q.shape[2], v.shape[2], scale, causal, window_left, logit_cap)
+    ctx = get_forward_context()
+    if ctx is not None and ctx.batch is not None:
+        return ctx.backend.forward(q, k, v, layer, ctx.batch)
+    backend = ctx.backend if ctx is not None else _reference_backend()
+    return backend.forward_dense(q, k, v, layer, batch_size)
+
+
+@attention.register_fake
+def _(q, k, v, layer_id, scale, causal, window_left, logit_cap, batch_size):
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))

@@ -1,0 +1,144 @@
+"""`ForwardBatch`: everything one model step needs to know about the requests in it.
+
+The token axis is ragged: the new tokens of all requests are concatenated,
+request ``i`` owning ``qo_indptr[i]:qo_indptr[i+1]``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .kv_pool import KVPool
+
+
+class ForwardMode(enum.Enum):
+    """What a step does. EXTEND: every request adds >= 1 new tokens after a (possibly empty)
+    cached prefix. DECODE: every request adds exactly one token. MIXED: both kinds in one
+    batch (handled as EXTEND by the kernels). IDLE: no tokens."""
+
+    EXTEND = "extend"
+    DECODE = "decode"
+    MIXED = "mixed"
+    IDLE = "idle"
+
+    @property
+    def is_decode(self) -> bool:
+        return self is ForwardMode.DECODE
+
+    @property
+    def is_extend(self) -> bool:
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+
+
+@dataclass
+class ForwardBatch:
+    """One step's batch.
+
+    Attributes (B = batch_size requests, T = num_tokens new tokens)
+    ----------
+    mode: ForwardMode.
+    input_ids: ``[T]`` int64, device.
+    positions: ``[T]`` int64, device; position of each new token in its request.
+    req_pool_indices: ``[B]`` int32, device; row of each request in ``kv_pool.req_to_page``.
+    seq_lens: ``[B]`` int32, device; KV length of each request *after* this step
+        (cached prefix + new tokens).
+    seq_lens_cpu: ``[B]`` int32, host copy of ``seq_lens``.
+    extend_seq_lens: ``[B]`` int32, device; new tokens per request (1 for DECODE).
+    extend_seq_lens_cpu: host copy.
+    extend_prefix_lens: ``[B]`` int32, device; cached tokens before this step.
+    extend_prefix_lens_cpu: host copy.
+    qo_indptr: ``[B + 1]`` int32, device; exclusive prefix sum of ``extend_seq_lens``.
+    out_cache_loc: ``[T]`` int64, device; KV slot of each new token,
+        ``slot = page * page_size + offset`` into the pool's flattened ``[num_pages * page_size]``.
+    kv_pool: the `KVPool` holding K/V of every layer and the request-to-page table.
+    """
+
+    mode: ForwardMode
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    extend_seq_lens: torch.Tensor
+    extend_seq_lens_cpu: torch.Tensor
+    extend_prefix_lens: torch.Tensor
+    extend_prefix_lens_cpu: torch.Tensor
+    qo_indptr: torch.Tensor
+    out_cache_loc: torch.Tensor
+    kv_pool: "KVPool"
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.req_pool_indices.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.seq_lens_cpu.max()) if self.batch_size else 0
+
+    @property
+    def max_extend_len(self) -> int:
+        return int(self.extend_seq_lens_cpu.max()) if self.batch_size else 0
+
+    @classmethod
+    def build(
+        cls,
+        kv_pool: "KVPool",
+        req_pool_indices: list[int],
+        prefix_lens: list[int],
+        extend_lens: list[int],
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        mode: ForwardMode | None = None,
+    ) -> "ForwardBatch":
+        """Build a batch for requests whose pages already cover ``prefix + extend`` tokens.
+
+        ``input_ids``: ``[sum(extend_lens)]``. ``positions`` defaults to
+        ``prefix_len + arange(extend_len)`` per request. ``mode`` defaults to DECODE when every
+        request adds one token to a non-empty prefix, else EXTEND (IDLE for no requests).
+        """
+        device = kv_pool.device
+        bsz = len(req_pool_indices)
+        if not (len(prefix_lens) == len(extend_lens) == bsz):
+            raise ValueError("req_pool_indices, prefix_lens and extend_lens must have one entry per request")
+        if mode is None:
+            if bsz == 0:
+                mode = ForwardMode.IDLE
+            elif all(e == 1 for e in extend_lens) and all(p > 0 for p in prefix_lens):
+                mode = ForwardMode.DECODE
+            else:
+                mode = ForwardMode.EXTEND
+        prefix_cpu = torch.tensor(prefix_lens, dtype=torch.int32)
+        extend_cpu = torch.tensor(extend_lens, dtype=torch.int32)
+        seq_cpu = prefix_cpu + extend_cpu
+        qo_indptr_cpu = torch.zeros(bsz + 1, dtype=torch.int32)
+        qo_indptr_cpu[1:] = torch.cumsum(extend_cpu, 0)
+        if positions is None:
+            positions = torch.cat(
+                [torch.arange(p, p + e, dtype=torch.int64) for p, e in zip(prefix_lens, extend_lens)]
+            ) if bsz else torch.zeros(0, dtype=torch.int64)
+        rows = torch.tensor(req_pool_indices, dtype=torch.int32)
+        out_cache_loc = kv_pool.slots_for(rows, prefix_cpu, extend_cpu)
+        return cls(
+            mode=mode,
+            input_ids=input_ids.to(device),
+            positions=positions.to(device=device, dtype=torch.int64),
+            req_pool_indices=rows.to(device),
+            seq_lens=seq_cpu.to(device),
+            seq_lens_cpu=seq_cpu,
+            extend_seq_lens=extend_cpu.to(device),
+            extend_seq_lens_cpu=extend_cpu,
+            extend_prefix_lens=prefix_cpu.to(device),
+            extend_prefix_lens_cpu=prefix_cpu,
+            qo_indptr=qo_indptr_cpu.to(device),
+            out_cache_loc=out_cache_loc,
+            kv_pool=kv_pool,
+        )
