@@ -10,8 +10,16 @@ from .errors import (
     UnsupportedModelError,
 )
 from .runtime import attention_op as _attention_op  # registers torch.ops.attngraph.attention
+from .compiler import AttentionReport, explain
+from .compiler import make_backend as backend
+from .compiler import register as _register
+
+_register()
 
 __all__ = [
+    "AttentionReport",
+    "backend",
+    "explain",
     "AttnGraphError",
     "BackendUnavailableError",
     "CaptureError",

@@ -1,0 +1,23 @@
+"""FX passes over Dynamo-level graphs. Each is usable alone on a `torch.fx.GraphModule`:
+
+>>> sites = find_attention(gm)          # what is there, and what may be lowered
+>>> lower_attention(gm, sites)          # rewrite lowerable sites to torch.ops.attngraph.attention
+>>> cleanup(gm)                         # drop the dead mask / repeat_kv code
+"""
+
+from .cleanup import cleanup
+from .find_attention import find_attention
+from .lower_attention import ATTENTION_OP, lower_attention
+from .mask_analysis import MaskPattern, NotProvable, analyze_mask
+from .site import AttentionSite
+
+__all__ = [
+    "ATTENTION_OP",
+    "AttentionSite",
+    "MaskPattern",
+    "NotProvable",
+    "analyze_mask",
+    "cleanup",
+    "find_attention",
+    "lower_attention",
+]

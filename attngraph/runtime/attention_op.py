@@ -61,3 +61,31 @@ def attention(
 @attention.register_fake
 def _(q, k, v, layer_id, scale, causal, window_left, logit_cap, batch_size):
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, layer_id, scale, causal, window_left, logit_cap, batch_size = inputs
+    ctx.save_for_backward(q, k, v)
+    ctx.attrs = (layer_id, scale, causal, window_left, logit_cap, batch_size)
+
+
+def _backward(ctx, grad_out: torch.Tensor):
+    """Gradients of the stateless form, by differentiating the torch_native reference.
+
+    Lowering keeps models trainable through the compiled graph (dropout-free attention);
+    the paged form is inference-only.
+    """
+    fwd_ctx = get_forward_context()
+    if fwd_ctx is not None and fwd_ctx.batch is not None:
+        raise RuntimeError("attngraph paged attention is inference-only; run it under torch.no_grad()")
+    q, k, v = ctx.saved_tensors
+    layer_id, scale, causal, window_left, logit_cap, batch_size = ctx.attrs
+    layer = AttentionLayer(layer_id, q.shape[1], k.shape[1], q.shape[2], v.shape[2], scale, causal, window_left, logit_cap)
+    with torch.enable_grad():
+        qd, kd, vd = (t.detach().requires_grad_(True) for t in (q, k, v))
+        out = _reference_backend().forward_dense(qd, kd, vd, layer, batch_size)
+        gq, gk, gv = torch.autograd.grad(out, (qd, kd, vd), grad_out)
+    return gq, gk, gv, None, None, None, None, None, None
+
+
+attention.register_autograd(_backward, setup_context=_setup_context)

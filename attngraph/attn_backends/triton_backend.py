@@ -1,0 +1,222 @@
+"""`triton`: paged attention with Triton kernels (split-KV decode, one-pass extend).
+
+* DECODE: `decode_attention_fwd`, stage 1 over ``(request, KV head, split)`` with all query
+  heads of a GQA group in one program, stage 2 merging the splits. The split count of each
+  request is decided on the device from its length, so the whole decode step can be captured
+  in a CUDA graph (`GraphSupport.FULL`); the only host-side choice is ``max_splits``, a
+  function of the (padded, static) batch size.
+* EXTEND / MIXED: the new K/V are appended to the pool first, then `extend_attention_fwd`
+  runs one online softmax over each request's keys ``0..seq_len-1`` read back from the pool.
+  Its grid depends on the longest new-token run, so it runs eagerly between captured pieces
+  (`GraphSupport.PIECEWISE`).
+* Dense (stateless) form: `dense_attention_fwd`, the extend kernel over contiguous K/V.
+
+Devices: CUDA. On CPU the kernels run only in Triton's interpreter, i.e. with
+``TRITON_INTERPRET=1`` set before Triton is first imported; the capabilities still declare
+``("cuda",)`` so "auto" never picks this backend on CPU, but an explicitly constructed
+backend works on CPU tensors under the interpreter (that is how the CPU tests run it).
+
+Example
+-------
+>>> backend = TritonBackend(spec, deterministic=True)   # doctest: +SKIP
+>>> backend.init_forward_metadata(batch)                 # doctest: +SKIP
+>>> out = backend.forward(q, k, v, layer, batch)         # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..errors import BackendUnavailableError
+from .base import AttentionBackend, AttentionLayer, BackendCapabilities, GraphSupport, ModelAttentionSpec
+from .triton_ops import DEFAULT_MIN_SPLIT_LEN, decode_attention_fwd, dense_attention_fwd, extend_attention_fwd, interpreting
+
+if TYPE_CHECKING:
+    from ..runtime.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+#: Head dims served: any multiple of 8 up to 256 (the kernels pad to a power of two and mask).
+SUPPORTED_HEAD_DIMS = tuple(range(8, 257, 8))
+#: Upper bound on decode splits per request (and the deterministic mode's fixed bound).
+DEFAULT_MAX_KV_SPLITS = 16
+#: Stage-1 programs aimed for per SM when choosing ``max_splits`` for a batch.
+_PROGRAMS_PER_SM = 2
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class TritonBackend(AttentionBackend):
+    """Paged attention through the Triton kernels of `triton_ops`.
+
+    Parameters
+    ----------
+    spec:
+        The model's `ModelAttentionSpec` (needed only by `init_cuda_graph_state`).
+    deterministic:
+        Fix decode's ``max_splits`` to ``max_kv_splits`` whatever the batch size, so a
+        request's result depends on that request alone (its split count then follows only
+        its own length) and repeated runs are bit-identical. Otherwise ``max_splits`` grows
+        for small batches to fill the GPU.
+    max_kv_splits:
+        Upper bound on decode splits per request.
+    min_split_len:
+        Shortest decode split in keys; shorter requests use fewer splits.
+    """
+
+    name = "triton"
+    capabilities = BackendCapabilities(
+        device_types=("cuda",),
+        dtypes=(torch.float16, torch.bfloat16, torch.float32),
+        head_dims=SUPPORTED_HEAD_DIMS,
+        page_sizes=None,
+        graph_support={"decode": GraphSupport.FULL, "extend": GraphSupport.PIECEWISE},
+    )
+
+    def __init__(
+        self,
+        spec: ModelAttentionSpec | None = None,
+        *,
+        deterministic: bool = False,
+        max_kv_splits: int = DEFAULT_MAX_KV_SPLITS,
+        min_split_len: int = DEFAULT_MIN_SPLIT_LEN,
+    ) -> None:
+        super().__init__(spec)
+        if max_kv_splits < 1 or min_split_len < 1:
+            raise ValueError(f"max_kv_splits and min_split_len must be >= 1, got {max_kv_splits}, {min_split_len}")
+        self.deterministic = deterministic
+        self.max_kv_splits = int(max_kv_splits)
+        self.min_split_len = int(min_split_len)
+        self._sm_counts: dict[torch.device, int] = {}
+        # CUDA-graph scratch of decode (flat fp32, viewed per batch size), see init_cuda_graph_state.
+        self._graph_part_o: torch.Tensor | None = None
+        self._graph_part_lse: torch.Tensor | None = None
+        # Per-step state from init_forward_metadata_out_graph.
+        self._step_batch: "ForwardBatch | None" = None
+        self._step_max_extend_len = 0
+        self._step_partials: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # ------------------------------------------------------------------ planning
+    def _sm_count(self, device: torch.device) -> int:
+        if device not in self._sm_counts:
+            if device.type == "cuda":
+                self._sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
+            else:
+                self._sm_counts[device] = 4  # interpreter: any small number
+        return self._sm_counts[device]
+
+    def decode_max_splits(self, batch_size: int, num_kv_heads: int, device: torch.device) -> int:
+        """Grid size along the split axis for a decode batch (static per batch size)."""
+        if self.deterministic:
+            return self.max_kv_splits
+        target = _PROGRAMS_PER_SM * self._sm_count(device)
+        per_split = max(1, batch_size * num_kv_heads)
+        return max(1, min(self.max_kv_splits, -(-target // per_split)))
+
+    def init_forward_metadata_out_graph(self, batch: "ForwardBatch", in_capture: bool = False) -> None:
+        """Host side: remember the longest new-token run (extend's grid) from the host copy."""
+        self._step_batch = batch
+        self._step_max_extend_len = batch.max_extend_len
+        self._step_partials.clear()
+
+    def init_forward_metadata_in_graph(self, batch: "ForwardBatch") -> None:
+        """Nothing to refresh: the kernels read ``seq_lens``, ``req_pool_indices`` and the page
+        table straight from the batch's device tensors."""
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Allocate decode's split buffers once for every batch size up to ``max_bs``.
+
+        ``partial_out`` holds ``max_b(b * max_splits(b)) * Hq * Dv`` fp32 values and
+        ``partial_lse`` the same without ``Dv``; each step views their heads as
+        ``[B, Hq, max_splits(B), Dv]`` / ``[B, Hq, max_splits(B)]``.
+        """
+        if self.spec is None:
+            raise ValueError("TritonBackend.init_cuda_graph_state needs the ModelAttentionSpec; pass spec= to the constructor")
+        spec = self.spec
+        device = torch.device(spec.device_type)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        rows = max(b * self.decode_max_splits(b, spec.num_kv_heads, device) for b in range(1, max(1, max_bs) + 1))
+        dv = max(spec.head_dims)
+        self._graph_part_o = torch.empty(rows * spec.num_q_heads * dv, dtype=torch.float32, device=device)
+        self._graph_part_lse = torch.empty(rows * spec.num_q_heads, dtype=torch.float32, device=device)
+        logger.debug(
+            "triton backend: decode split buffers for max_bs=%d: %d (request, split) rows, %.1f MiB",
+            max_bs, rows, self._graph_part_o.numel() * 4 / 2**20,
+        )  # fmt: skip
+
+    def _partials(self, bsz: int, hq: int, splits: int, dv: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scratch ``[B, Hq, splits, Dv]`` and ``[B, Hq, splits]`` fp32 for one decode launch."""
+        n_o, n_l = bsz * hq * splits * dv, bsz * hq * splits
+        go, gl = self._graph_part_o, self._graph_part_lse
+        if go is not None and go.device == device and go.numel() >= n_o and gl.numel() >= n_l:
+            return go[:n_o].view(bsz, hq, splits, dv), gl[:n_l].view(bsz, hq, splits)
+        key = (bsz, hq, splits, dv, device)
+        if key not in self._step_partials:  # shared by the layers of one step
+            self._step_partials[key] = (
+                torch.empty((bsz, hq, splits, dv), dtype=torch.float32, device=device),
+                torch.empty((bsz, hq, splits), dtype=torch.float32, device=device),
+            )
+        return self._step_partials[key]
+
+    @staticmethod
+    def _check_device(t: torch.Tensor) -> None:
+        if t.device.type != "cuda" and not interpreting():
+            raise BackendUnavailableError(
+                f"the triton attention backend runs on CUDA; got a {t.device.type} tensor. On CPU it "
+                "runs only in Triton's interpreter (TRITON_INTERPRET=1 set before importing triton); "
+                "use attention_backend='torch_native' there"
+            )
+
+    # ------------------------------------------------------------------ compute
+    def forward_decode(self, q, k, v, layer: AttentionLayer, batch: "ForwardBatch", save_kv_cache: bool = True) -> torch.Tensor:
+        """``q: [B, Hq, D]`` (one new token per request) -> ``[B, Hq, Dv]``."""
+        self._check_device(q)
+        if save_kv_cache:
+            self.save_kv(layer, batch, k, v)
+        pool = batch.kv_pool
+        bsz = q.shape[0]
+        kb = pool.k_buffers[layer.layer_id].view(-1, pool.num_kv_heads, pool.head_dim)
+        vb = pool.v_buffers[layer.layer_id].view(-1, pool.num_kv_heads, pool.v_head_dim)
+        out = q.new_empty((bsz, layer.num_q_heads, pool.v_head_dim))
+        splits = self.decode_max_splits(bsz, pool.num_kv_heads, q.device)
+        part_o, part_lse = self._partials(bsz, layer.num_q_heads, splits, pool.v_head_dim, q.device)
+        # A decode query is the last key, so causal and non-causal see the same keys.
+        return decode_attention_fwd(
+            _last_dim_contiguous(q), kb, vb, out, pool.req_to_page, batch.req_pool_indices, batch.seq_lens,
+            part_o, part_lse, page_size=pool.page_size, scale=layer.scale, max_splits=splits,
+            min_split_len=self.min_split_len, logit_cap=layer.logit_cap, window_left=layer.window_left,
+        )  # fmt: skip
+
+    def forward_extend(self, q, k, v, layer: AttentionLayer, batch: "ForwardBatch", save_kv_cache: bool = True) -> torch.Tensor:
+        """``q: [T, Hq, D]`` ragged by ``batch.qo_indptr`` -> ``[T, Hq, Dv]``.
+
+        Appends the new K/V to the pool first; the kernel reads them back from there."""
+        self._check_device(q)
+        if save_kv_cache:
+            self.save_kv(layer, batch, k, v)
+        pool = batch.kv_pool
+        kb = pool.k_buffers[layer.layer_id].view(-1, pool.num_kv_heads, pool.head_dim)
+        vb = pool.v_buffers[layer.layer_id].view(-1, pool.num_kv_heads, pool.v_head_dim)
+        out = q.new_empty((q.shape[0], layer.num_q_heads, pool.v_head_dim))
+        max_ext = self._step_max_extend_len if self._step_batch is batch else batch.max_extend_len
+        return extend_attention_fwd(
+            _last_dim_contiguous(q), kb, vb, out, pool.req_to_page, batch.req_pool_indices, batch.seq_lens,
+            batch.qo_indptr, max_ext, page_size=pool.page_size, scale=layer.scale, causal=layer.causal,
+            window_left=layer.window_left, logit_cap=layer.logit_cap,
+        )  # fmt: skip
+
+    def forward_dense(self, q, k, v, layer: AttentionLayer, batch_size: int) -> torch.Tensor:
+        """Stateless form by a real kernel: the extend kernel over contiguous K/V
+        (``q: [B * Sq, Hq, D]``, ``k/v: [B * Sk, Hkv, D/Dv]`` -> ``[B * Sq, Hq, Dv]``)."""
+        self._check_device(q)
+        out = q.new_empty((q.shape[0], layer.num_q_heads, v.shape[-1]))
+        return dense_attention_fwd(
+            _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), out, int(batch_size),
+            scale=layer.scale, causal=layer.causal, window_left=layer.window_left, logit_cap=layer.logit_cap,
+        )  # fmt: skip

@@ -1,0 +1,19 @@
+"""Triton kernels of the attention backends (paged metadata, decode and extend attention).
+
+Launch functions (tensor shapes in their docstrings):
+
+* `decode_attention_fwd`: split-KV paged decode (stage 1 per split, stage 2 merge).
+* `extend_attention_fwd`: ragged new tokens over paged keys, one online softmax.
+* `dense_attention_fwd`: the same kernel over contiguous, equal-length sequences.
+"""
+
+from .decode_attention import DEFAULT_MIN_SPLIT_LEN, decode_attention_fwd, interpreting
+from .extend_attention import dense_attention_fwd, extend_attention_fwd
+
+__all__ = [
+    "DEFAULT_MIN_SPLIT_LEN",
+    "decode_attention_fwd",
+    "dense_attention_fwd",
+    "extend_attention_fwd",
+    "interpreting",
+]

@@ -1,0 +1,225 @@
+"""Extend (prefill) attention (Triton): ragged new tokens over paged or dense keys.
+
+One kernel, grid ``(cdiv(max_extend_len, BLOCK_M), batch, num_q_heads)``. A program takes
+``BLOCK_M`` new tokens of one request and one query head and runs ONE online softmax over the
+request's keys ``0..seq_len-1``. In the paged form the new tokens' K/V must already be in the
+pool (the backend appends them first), so the kernel reads the cached prefix and the new
+tokens alike from the pool through the page table: no separate ragged pass and no merge.
+Query ``i`` of request ``b`` sits at position ``seq_len_b - extend_len_b + i`` (its prefix
+length plus ``i``).
+
+Masking mirrors ``torch_native.allowed_keys``: causal ``p - window_left <= j <= p``;
+non-causal ``|j - p| <= window_left`` (every key without a window).
+
+The dense form (``PAGED=False``, `dense_attention_fwd`) reads contiguous ``[B * Sk, Hkv, D]``
+keys instead: request ``b``'s keys are rows ``b * Sk .. b * Sk + Sk - 1`` and queries are
+aligned bottom-right (``seq_len = Sk``, ``extend_len = Sq``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import triton
+import triton.language as tl
+
+from .decode_attention import _dot, _softcap, check_last_dim_contiguous, dot_options, interpreting, window_arg
+
+logger = logging.getLogger(__name__)
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _extend_kernel(
+    Q, K, V, Out, ReqToPage, ReqIdx, SeqLens, QoIndptr,
+    scale, logit_cap, window, dense_q_len, dense_kv_len,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_rtp,
+    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, V_HEAD_DIM: tl.constexpr,
+    PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CAP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    mblk = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    kvh = h // GROUP
+    if PAGED:
+        q_start = tl.load(QoIndptr + b)
+        ext_len = tl.load(QoIndptr + b + 1) - q_start
+        seq_len = tl.load(SeqLens + b)
+        row = tl.load(ReqIdx + b).to(tl.int64)
+    else:
+        q_start = b * dense_q_len
+        ext_len = dense_q_len
+        seq_len = dense_kv_len
+        kv_base = b.to(tl.int64) * dense_kv_len
+    m0 = mblk * BLOCK_M
+    if m0 >= ext_len:
+        return
+    prefix = seq_len - ext_len
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < ext_len
+    q_pos = prefix + offs_m  # [BLOCK_M] absolute positions of the queries
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < V_HEAD_DIM
+    tok = (q_start + offs_m).to(tl.int64)  # [BLOCK_M] rows of q / out
+    q = tl.load(Q + tok[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # fmt: skip  # [BLOCK_M, BLOCK_D]
+
+    # Key range any query of this block may see.
+    first_pos = prefix + m0
+    last_pos = prefix + tl.minimum(m0 + BLOCK_M, ext_len) - 1
+    lo = tl.maximum(first_pos - window, 0)
+    if CAUSAL:
+        hi = tl.minimum(last_pos + 1, seq_len)
+    else:
+        hi = tl.minimum(last_pos + window + 1, seq_len)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 units
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+        mask_n = pos < hi
+        if PAGED:
+            page = tl.load(ReqToPage + row * stride_rtp + pos // PAGE_SIZE, mask=mask_n, other=0)
+            slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+        else:
+            slot = kv_base + pos
+        kt = tl.load(K + slot[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
+                     mask=mask_d[:, None] & mask_n[None, :], other=0.0)  # fmt: skip  # [BLOCK_D, BLOCK_N]
+        s = _dot(q, kt.to(q.dtype), UPCAST, PRECISION) * scale  # [BLOCK_M, BLOCK_N]
+        if HAS_CAP:
+            s = _softcap(s, logit_cap)
+        ok = mask_n[None, :] & (pos[None, :] >= q_pos[:, None] - window)
+        if CAUSAL:
+            ok = ok & (pos[None, :] <= q_pos[:, None])
+        else:
+            ok = ok & (pos[None, :] <= q_pos[:, None] + window)
+        s = tl.where(ok, s * _LOG2E, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row may see no key of this block yet: keep exp2 away from (-inf) - (-inf).
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + slot[:, None] * stride_vs + kvh * stride_vh + offs_dv[None, :],
+                    mask=mask_n[:, None] & mask_dv[None, :], other=0.0)  # fmt: skip  # [BLOCK_N, BLOCK_DV]
+        acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), UPCAST, PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a query that sees no key: zeros
+    tl.store(Out + tok[:, None] * stride_ot + h * stride_oh + offs_dv[None, :],
+             out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_dv[None, :])  # fmt: skip
+
+
+def extend_blocks(head_dim: int, v_head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps)`` for the extend kernel."""
+    if interpreting():
+        return 16, 16, 4  # the CPU tests' short sequences still span several blocks
+    dmax = max(head_dim, v_head_dim)
+    if dtype == torch.float32:  # twice the shared memory per tile
+        return (32, 32, 4) if dmax > 128 else (64, 32, 4)
+    if dmax > 128:
+        return 64, 32, 8
+    return (64, 64, 4) if dmax <= 64 else (64, 64, 8)
+
+
+def _launch(q, k, v, out, req_to_page, req_pool_indices, seq_lens, qo_indptr, grid_m, bsz,
+            scale, logit_cap, window_left, causal, page_size, paged, dense_q_len, dense_kv_len):  # fmt: skip
+    t, hq, d = q.shape
+    hkv, dv = k.shape[1], v.shape[2]
+    if hq % hkv:
+        raise ValueError(f"num_q_heads {hq} is not a multiple of num_kv_heads {hkv}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
+        check_last_dim_contiguous(name, x)
+    if t == 0 or bsz == 0 or grid_m == 0:
+        return out
+    block_m, block_n, num_warps = extend_blocks(d, dv, q.dtype)
+    upcast, precision = dot_options(q.dtype)
+    grid = (triton.cdiv(grid_m, block_m), bsz, hq)
+    _extend_kernel[grid](
+        q, k, v, out, req_to_page, req_pool_indices, seq_lens, qo_indptr,
+        float(scale), float(logit_cap) if logit_cap > 0 else 1.0, window_arg(window_left),
+        dense_q_len, dense_kv_len,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), req_to_page.stride(0),
+        GROUP=hq // hkv, PAGE_SIZE=page_size, HEAD_DIM=d, V_HEAD_DIM=dv,
+        PAGED=paged, CAUSAL=bool(causal), HAS_CAP=logit_cap > 0,
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv),
+        UPCAST=upcast, PRECISION=precision,
+        num_warps=num_warps, num_stages=2,
+    )  # fmt: skip
+    return out
+
+
+def extend_attention_fwd(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    out: torch.Tensor,
+    req_to_page: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    max_extend_len: int,
+    *,
+    page_size: int,
+    scale: float,
+    causal: bool = True,
+    window_left: int = -1,
+    logit_cap: float = 0.0,
+) -> torch.Tensor:
+    """Attention of the new tokens of every request over its paged keys ``0..seq_len-1``.
+
+    The new tokens' K/V must already be in the pool: the kernel reads them back from it
+    together with the cached prefix.
+
+    Parameters
+    ----------
+    q: ``[T, Hq, D]``, ragged: request ``b`` owns rows ``qo_indptr[b]:qo_indptr[b+1]``.
+    k_buffer: ``[num_slots, Hkv, D]``, the layer's pool flattened over pages.
+        v_buffer: ``[num_slots, Hkv, Dv]``.
+    out: ``[T, Hq, Dv]``, written.
+    req_to_page: ``[max_requests, max_pages_per_req]`` int32. req_pool_indices: ``[B]`` int32.
+    seq_lens: ``[B]`` int32, KV lengths after this step. qo_indptr: ``[B + 1]`` int32.
+    max_extend_len: host int >= the largest ``qo_indptr[b+1] - qo_indptr[b]`` (sizes the grid).
+    page_size, scale, causal, window_left, logit_cap: as in ``AttentionLayer``.
+
+    Returns ``out``.
+    """
+    return _launch(q, k_buffer, v_buffer, out, req_to_page, req_pool_indices, seq_lens, qo_indptr,
+                   int(max_extend_len), int(req_pool_indices.shape[0]), scale, logit_cap, window_left,
+                   causal, page_size, True, 0, 0)  # fmt: skip
+
+
+def dense_attention_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    batch_size: int,
+    *,
+    scale: float,
+    causal: bool = True,
+    window_left: int = -1,
+    logit_cap: float = 0.0,
+) -> torch.Tensor:
+    """Attention over ``batch_size`` equal-length sequences (the stateless form).
+
+    ``q: [B * Sq, Hq, D]``, ``k: [B * Sk, Hkv, D]``, ``v: [B * Sk, Hkv, Dv]``,
+    ``out: [B * Sq, Hq, Dv]`` (written). Causal queries are aligned bottom-right: query ``i``
+    sits at key position ``Sk - Sq + i``. Returns ``out``.
+    """
+    b = int(batch_size)
+    if b <= 0:
+        return out
+    sq, sk = q.shape[0] // b, k.shape[0] // b
+    # The paged-only pointer arguments are never read when PAGED=False: any tensor will do.
+    return _launch(q, k, v, out, q, q, q, q, sq, b, scale, logit_cap, window_left, causal, 1, False, sq, sk)

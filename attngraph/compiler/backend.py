@@ -1,0 +1,124 @@
+"""The torch.compile backend: pass pipeline -> lowered graph -> inductor or eager.
+
+``import attngraph`` registers it as ``torch.compile(model, backend="attngraph")``;
+``attngraph.backend(**config)`` builds one with a custom `CompileConfig`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import fx
+
+from ..attn_backends.base import AttentionBackend, ModelAttentionSpec
+from ..attn_backends.registry import create_backend
+from ..config import CompileConfig
+from ..passes import fx_utils as fu
+from ..passes.site import AttentionSite
+from ..runtime.forward_context import ForwardContext, use_forward_context
+from .pipeline import PassPipeline
+from .report import AttentionReport
+
+logger = logging.getLogger(__name__)
+
+
+class AttnGraphBackend:
+    """A Dynamo backend. Call it with ``(gm, example_inputs)``; it returns the compiled callable.
+
+    ``mode="stateless"``: each call runs under a `ForwardContext` naming the dense attention
+    backend. ``mode="paged"``: the runtime publishes the context (with its ForwardBatch) itself,
+    and the ``trusted_positions`` placeholders carry token positions.
+    ``report`` accumulates the sites of every graph compiled through this backend.
+    """
+
+    def __init__(
+        self,
+        config: CompileConfig | None = None,
+        mode: str = "stateless",
+        trusted_positions: Iterable[str] = (),
+    ) -> None:
+        if mode not in ("stateless", "paged"):
+            raise ValueError(f"mode must be 'stateless' or 'paged', got {mode!r}")
+        self.config = config or CompileConfig()
+        self.mode = mode
+        self.pipeline = PassPipeline(self.config, trusted_positions)
+        self.report = AttentionReport()
+        self.graphs: list[fx.GraphModule] = []
+        self.sites: list[AttentionSite] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        sites = self.pipeline.run(gm, example_inputs)
+        self.report.add_graph(sites)
+        self.sites.extend(sites)
+        self.graphs.append(gm)
+        device_type = _device_type(sites, example_inputs)
+        compiled = compile_graph(gm, example_inputs, self.config.resolved_piece_compiler(device_type))
+        if self.mode == "paged":
+            return compiled
+        backend = self._dense_backend(sites, device_type)
+
+        def run(*args: Any) -> Any:
+            with use_forward_context(ForwardContext(backend)):
+                return compiled(*args)
+
+        return run
+
+    def _dense_backend(self, sites: list[AttentionSite], device_type: str) -> AttentionBackend | None:
+        lowered = [s for s in sites if s.lowered]
+        if not lowered:
+            return None
+        q = fu.example_value(lowered[0].q)
+        spec = ModelAttentionSpec(
+            num_layers=len(lowered),
+            num_q_heads=lowered[0].num_q_heads,
+            num_kv_heads=lowered[0].num_kv_heads,
+            head_dims=tuple(sorted({s.head_dim for s in lowered})),
+            dtype=q.dtype,
+            device_type=device_type,
+            page_size=self.config.page_size,
+            uses_window=any(s.window_left >= 0 for s in lowered),
+            uses_logit_cap=any(not isinstance(s.logit_cap, float) or s.logit_cap > 0 for s in lowered),
+            non_causal=any(not s.causal for s in lowered),
+        )
+        backend = create_backend(self.config.attention_backend, spec)
+        if not backend.capabilities.dense:
+            return create_backend("torch_native", spec)
+        return backend
+
+
+def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], piece_compiler: str) -> Callable:
+    """Compile a (lowered) graph with inductor, or return it to run as is (``"eager"``)."""
+    if piece_compiler == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs)
+    return gm.forward
+
+
+def _device_type(sites: list[AttentionSite], example_inputs: list[Any]) -> str:
+    for s in sites:
+        val = fu.example_value(s.q)
+        if isinstance(val, torch.Tensor):
+            return val.device.type
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            return x.device.type
+    return "cpu"
+
+
+def make_backend(**config: Any) -> AttnGraphBackend:
+    """``torch.compile(model, backend=attngraph.backend(attention_backend="torch_native"))``."""
+    return AttnGraphBackend(CompileConfig.from_kwargs(**config))
+
+
+def _registered_backend(gm: fx.GraphModule, example_inputs: list[Any], **options: Any) -> Callable:
+    return AttnGraphBackend(CompileConfig.from_kwargs(**options))(gm, example_inputs)
+
+
+def register() -> None:
+    from torch._dynamo import list_backends, register_backend
+
+    if "attngraph" not in list_backends(exclude_tags=()):
+        register_backend(name="attngraph")(_registered_backend)

@@ -1,0 +1,28 @@
+"""`attngraph.explain`: which attention sites a model has, which are lowered, and why not."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..config import CompileConfig
+from .backend import AttnGraphBackend
+from .report import AttentionReport
+
+
+def explain(model: torch.nn.Module, *args: Any, config: CompileConfig | None = None, **kwargs: Any) -> AttentionReport:
+    """Trace ``model(*args, **kwargs)`` once through the passes and report every attention site.
+
+    The model itself is not changed. Example::
+
+        report = attngraph.explain(model, input_ids)
+        print(report)                      # table: site, kind, lowered, reason
+        assert report.num_lowered == model.config.num_hidden_layers
+    """
+    cfg = (config or CompileConfig()).replace(piece_compiler="eager")
+    backend = AttnGraphBackend(cfg)
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        compiled(*args, **kwargs)
+    return backend.report

@@ -1,0 +1,393 @@
+"""Pass `find_attention`: locate attention in a Dynamo FX graph and decide what is lowerable.
+
+Two forms are recognized:
+
+* SDPA: ``scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale,
+  enable_gqa)``, with or without HF's repeat_kv chain in front of k/v;
+* eager: ``matmul(q, k.transpose(-2, -1))``, scale by mul/div (of the scores or of q),
+  optional softcap ``cap * tanh(s / cap)``, optional mask add, ``softmax(-1)`` with or
+  without an fp32 upcast and cast back, dropout, ``matmul(p, v)``.
+
+Before/after (this pass only reads the graph)::
+
+    key = full_key.expand(b, 2, 2, s, 16).reshape(b, 4, s, 16)   # repeat_kv
+    out = scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=0.25)
+    -> AttentionSite(kind="sdpa", q=q, k=full_key, ..., causal=True, window_left=3)
+
+A site is *lowerable* only when it is provably equivalent to the op: the mask (if any) is a
+function of positions alone and evaluates to a causal / sliding-window / full pattern
+(`mask_analysis`), dropout is off, the GQA mapping is the grouped one, and the shapes are the
+``[B, H, S, D]`` ones. Every refusal carries a reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Iterable
+
+import torch
+from torch import fx
+
+from . import fx_utils as fu
+from .mask_analysis import NotProvable, analyze_mask, constant_value, is_scalar_item
+from .site import AttentionSite, ScaleExpr
+
+logger = logging.getLogger(__name__)
+
+
+def find_attention(
+    gm: fx.GraphModule,
+    trusted_positions: Iterable[str] = (),
+    example_inputs: list[Any] | None = None,
+) -> list[AttentionSite]:
+    """Find every attention site in ``gm`` (graph order) and decide which are lowerable.
+
+    Parameters
+    ----------
+    gm:
+        A Dynamo graph (nodes carry ``meta["example_value"]``) or any GraphModule together
+        with ``example_inputs`` (then shapes are propagated first).
+    trusted_positions:
+        Names of placeholders holding token positions (the ragged runtime's ``position_ids``).
+        A mask computed from them describes per-request structure that the runtime supplies
+        itself; in the stateless form no input is trusted.
+
+    Returns
+    -------
+    list[AttentionSite], each with ``.lowerable`` and ``.reason``.
+    """
+    if example_inputs is not None and not _has_meta(gm):
+        from torch.fx.passes.shape_prop import ShapeProp
+
+        ShapeProp(gm).propagate(*example_inputs)
+    trusted = {n for n in gm.graph.nodes if n.op == "placeholder" and any(t in n.name for t in trusted_positions)}
+    sites: list[AttentionSite] = []
+    mask_cache: dict[tuple, Any] = {}
+    for node in gm.graph.nodes:
+        site = None
+        if fu.is_op(node, fu.SDPA):
+            site = _match_sdpa(gm, node)
+        elif fu.is_op(node, fu.SOFTMAX):
+            site = _match_eager(gm, node)
+        if site is None:
+            continue
+        if site.reason == "":
+            _check_shapes_and_mask(gm, site, trusted, mask_cache)
+        sites.append(site)
+    _assign_layer_ids(sites)
+    logger.debug("find_attention: %d sites, %d lowerable", len(sites), sum(s.lowerable for s in sites))
+    return sites
+
+
+def _has_meta(gm: fx.GraphModule) -> bool:
+    return all(fu.example_value(n) is not None for n in gm.graph.nodes if n.op == "placeholder")
+
+
+def _new_site(node: fx.Node, kind: str) -> AttentionSite:
+    path, idx = fu.attention_module_path(node)
+    return AttentionSite(name=path or node.name, kind=kind, output=node, layer_index=idx)
+
+
+# --------------------------------------------------------------------------- SDPA
+def _match_sdpa(gm: fx.GraphModule, node: fx.Node) -> AttentionSite:
+    site = _new_site(node, "sdpa")
+    q, k_fed, v_fed = fu.arg(node, 0, "query"), fu.arg(node, 1, "key"), fu.arg(node, 2, "value")
+    site.q, site.mask = q, fu.arg(node, 3, "attn_mask")
+    dropout = fu.arg(node, 4, "dropout_p", 0.0)
+    is_causal = fu.arg(node, 5, "is_causal", False)
+    scale = fu.arg(node, 6, "scale", None)
+    enable_gqa = fu.arg(node, 7, "enable_gqa", False)
+    if not isinstance(is_causal, bool) or not isinstance(enable_gqa, bool):
+        return site.refuse("is_causal / enable_gqa are not compile-time constants")
+    if not (isinstance(dropout, (int, float)) and dropout == 0):
+        return site.refuse(f"dropout_p={_show(dropout)} (attention dropout is active)")
+    site.extra["is_causal"] = is_causal
+    site.k, n_rep_k = _peel_repeat_kv(k_fed)
+    site.v, n_rep_v = _peel_repeat_kv(v_fed)
+    if n_rep_k != n_rep_v:
+        return site.refuse("keys and values are repeated differently")
+    site.extra["gqa_explicit"] = enable_gqa or n_rep_k > 1
+    if scale is None:
+        shape = fu.shape_of(q)
+        if shape is None:
+            return site.refuse("query shape unknown")
+        site.scale = ScaleExpr(1.0 / math.sqrt(fu.size_hint(shape[-1])))
+    else:
+        try:
+            site.scale = _scalar(gm, scale)
+        except NotProvable as exc:
+            return site.refuse(f"scale: {exc}")
+    return site
+
+
+# --------------------------------------------------------------------------- eager
+def _match_eager(gm: fx.GraphModule, softmax: fx.Node) -> AttentionSite | None:
+    """Match the eager pattern around ``softmax``; None when it is not attention-shaped at all."""
+    x = fu.arg(softmax, 0, "input")
+    dim = fu.arg(softmax, 1, "dim", None)
+    shape = fu.shape_of(softmax)
+    if shape is None or len(shape) != 4 or dim not in (-1, 3):
+        return None
+    # Downward: softmax -> [cast] -> [dropout] -> matmul(p, v)
+    p, out = softmax, None
+    while True:
+        users = list(p.users)
+        if len(users) != 1:
+            break
+        u = users[0]
+        if fu.is_op(u, fu.CAST) or fu.is_op(u, fu.CONTIGUOUS):
+            p = u
+            continue
+        if fu.is_op(u, fu.DROPOUT):
+            p = u
+            continue
+        if fu.is_op(u, fu.MATMUL) and u.args[0] is p:
+            out = u
+        break
+    if out is None:
+        return None
+    # Upward: [cast] [mask add] [softcap] [scale]* matmul(q [*scale], k^T)
+    site = _new_site(out, "eager")
+    x = _skip_casts(x)
+    mask = None
+    scores = None
+    if fu.is_op(x, fu.ADD) and len(x.args) == 2:
+        a, b = x.args
+        for s_node, m_node in ((a, b), (b, a)):
+            if _reaches_qk_matmul(s_node):
+                scores, mask = s_node, m_node
+                break
+        if scores is None:
+            return None
+    else:
+        scores = x
+    scores = _skip_casts(scores)
+    cap: float | fx.Node = 0.0
+    capped = _match_softcap(gm, scores)
+    if capped is not None:
+        scores, cap = capped
+    scale = ScaleExpr()
+    while True:
+        factor = _scale_factor(gm, scores)
+        if factor is None:
+            break
+        scores, f = factor
+        scale = scale.times(f)
+    scores = _skip_casts(scores)
+    if not (fu.is_op(scores, fu.MATMUL) and len(scores.args) == 2):
+        return None
+    q, kt = scores.args
+    while (qf := _scale_factor(gm, q)) is not None:
+        q, f = qf
+        scale = scale.times(f)
+    k_fed = _untranspose(kt)
+    if k_fed is None:
+        return None
+    site.q, site.mask, site.scale, site.logit_cap = q, mask, scale, cap
+    site.k, n_rep_k = _peel_repeat_kv(k_fed)
+    site.v, n_rep_v = _peel_repeat_kv(out.args[1])
+    site.extra.update(is_causal=False, gqa_explicit=n_rep_k > 1, softmax=softmax)
+    if n_rep_k != n_rep_v:
+        return site.refuse("keys and values are repeated differently")
+    for n in _chain(softmax, out):
+        if fu.is_op(n, fu.DROPOUT):
+            p_drop = fu.arg(n, 1, "p", 0.5)
+            training = fu.arg(n, 2, "training", True)
+            if training and not (isinstance(p_drop, (int, float)) and p_drop == 0):
+                return site.refuse(f"dropout p={_show(p_drop)} in training mode")
+    return site
+
+
+def _chain(start: fx.Node, end: fx.Node) -> list[fx.Node]:
+    nodes, n = [], start
+    while n is not end:
+        nodes.append(n)
+        n = next(iter(n.users))
+    return nodes
+
+
+def _skip_casts(x: Any) -> Any:
+    while fu.is_op(x, fu.CAST) or fu.is_op(x, fu.CONTIGUOUS):
+        x = x.args[0]
+    return x
+
+
+def _reaches_qk_matmul(x: Any, depth: int = 8) -> bool:
+    """Is ``x`` (within a few elementwise steps) the product of a matmul with a transposed key?"""
+    for _ in range(depth):
+        if not isinstance(x, fx.Node):
+            return False
+        if fu.is_op(x, fu.MATMUL):
+            return _untranspose(x.args[1]) is not None
+        if x.op not in ("call_function", "call_method") or not x.args:
+            return False
+        x = x.args[0]
+    return False
+
+
+def _untranspose(kt: Any) -> fx.Node | None:
+    """``k`` when ``kt`` is ``k.transpose(-2, -1)`` of a 4-D ``k`` (any spelling), else None."""
+    if fu.is_op(kt, fu.TRANSPOSE):
+        d0, d1 = fu.arg(kt, 1, "dim0"), fu.arg(kt, 2, "dim1")
+        shape = fu.shape_of(kt.args[0])
+        if shape is None or len(shape) != 4:
+            return None
+        if {d % 4 for d in (d0, d1) if isinstance(d, int)} == {2, 3}:
+            return kt.args[0]
+    if kt is not None and isinstance(kt, fx.Node) and kt.op == "call_function" and kt.target is getattr and kt.args[1] == "mT":
+        return kt.args[0]
+    return None
+
+
+def _match_softcap(gm: fx.GraphModule, x: Any) -> tuple[fx.Node, float | fx.Node] | None:
+    """``cap * tanh(s / cap)`` -> ``(s, cap)``."""
+    if not fu.is_op(x, fu.MUL) or len(x.args) != 2:
+        return None
+    for t, c in (x.args, x.args[::-1]):
+        if fu.is_op(t, fu.TANH):
+            inner = t.args[0]
+            if fu.is_op(inner, fu.DIV) and _same_scalar(gm, inner.args[1], c):
+                return inner.args[0], _cap_value(gm, c)
+    return None
+
+
+def _same_scalar(gm: fx.GraphModule, a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return constant_value(gm, a) == constant_value(gm, b)
+    except NotProvable:
+        return False
+
+
+def _cap_value(gm: fx.GraphModule, c: Any) -> float | fx.Node:
+    if is_scalar_item(c):
+        return c
+    return constant_value(gm, c)
+
+
+def _scale_factor(gm: fx.GraphModule, x: Any) -> tuple[fx.Node, ScaleExpr] | None:
+    """``y * c``, ``c * y`` or ``y / c`` with a scalar ``c`` -> ``(y, c or 1/c)``."""
+    if not (fu.is_op(x, fu.MUL) or fu.is_op(x, fu.DIV)) or len(x.args) != 2:
+        return None
+    a, b = x.args
+    candidates = [(a, b)] if fu.is_op(x, fu.DIV) else [(a, b), (b, a)]
+    for y, c in candidates:
+        if not _is_tensor_node(y) or not _is_scalar(c):
+            continue
+        try:
+            f = _scalar(gm, c)
+        except NotProvable:
+            return None
+        if fu.is_op(x, fu.DIV):
+            if f.runtime:
+                return None
+            f = ScaleExpr(1.0 / f.constant)
+        return y, f
+    return None
+
+
+def _is_tensor_node(x: Any) -> bool:
+    val = fu.example_value(x)
+    return isinstance(val, torch.Tensor) and val.dim() == 4
+
+
+def _is_scalar(c: Any) -> bool:
+    if isinstance(c, (int, float)) and not isinstance(c, bool):
+        return True
+    val = fu.example_value(c)
+    if isinstance(val, (int, float, torch.SymFloat, torch.SymInt)):
+        return True
+    return isinstance(val, torch.Tensor) and val.dim() == 0
+
+
+def _scalar(gm: fx.GraphModule, c: Any) -> ScaleExpr:
+    if is_scalar_item(c):
+        return ScaleExpr(1.0, [c])
+    return ScaleExpr(constant_value(gm, c))
+
+
+# --------------------------------------------------------------------------- repeat_kv
+def _peel_repeat_kv(x: Any) -> tuple[Any, int]:
+    """``(k, n_rep)`` when ``x`` is HF's repeat_kv of ``k`` (grouped: q head h uses kv head h // n_rep)."""
+    if fu.is_op(x, fu.RESHAPE):
+        e = x.args[0]
+        if fu.is_op(e, fu.EXPAND) and fu.is_op(e.args[0], fu.GETITEM):
+            g = e.args[0]
+            index = g.args[1]
+            if isinstance(index, tuple) and len(index) == 5 and index[2] is None:
+                src = g.args[0]
+                s_src, s_out = fu.shape_of(src), fu.shape_of(x)
+                s_exp = fu.shape_of(e)
+                if s_src is not None and s_out is not None and s_exp is not None and len(s_src) == 4 and len(s_exp) == 5:
+                    n_rep = fu.size_hint(s_exp[2])
+                    if (
+                        fu.size_hint(s_out[1]) == fu.size_hint(s_src[1]) * n_rep
+                        and all(fu.same_size(s_out[i], s_src[i]) for i in (0, 2, 3))
+                    ):
+                        return src, n_rep
+    if fu.is_op(x, fu.REPEAT_INTERLEAVE):
+        n_rep = fu.arg(x, 1, "repeats")
+        dim = fu.arg(x, 2, "dim")
+        if isinstance(n_rep, int) and dim in (1, -3):
+            return x.args[0], n_rep
+    return x, 1
+
+
+# --------------------------------------------------------------------------- checks
+def _check_shapes_and_mask(gm: fx.GraphModule, site: AttentionSite, trusted: set[fx.Node], mask_cache: dict) -> None:
+    qs, ks, vs = fu.shape_of(site.q), fu.shape_of(site.k), fu.shape_of(site.v)
+    if qs is None or ks is None or vs is None:
+        site.refuse("q/k/v shapes are unknown")
+        return
+    if not (len(qs) == len(ks) == len(vs) == 4):
+        site.refuse(f"q/k/v are not [batch, heads, seq, head_dim] (ranks {len(qs)}, {len(ks)}, {len(vs)})")
+        return
+    hq, hkv, d, dv = (fu.size_hint(s) for s in (qs[1], ks[1], qs[3], vs[3]))
+    if fu.size_hint(ks[3]) != d or fu.size_hint(vs[1]) != hkv or not fu.same_size(ks[2], vs[2]):
+        site.refuse("q/k/v shapes do not line up")
+        return
+    if hq % hkv != 0 or (hq != hkv and not site.extra.get("gqa_explicit")):
+        site.refuse(f"{hq} query heads vs {hkv} key heads without grouped-query broadcasting")
+        return
+    site.num_q_heads, site.num_kv_heads, site.head_dim, site.v_head_dim = hq, hkv, d, dv
+    if site.mask is None:
+        if site.extra.get("is_causal"):
+            if not fu.same_size(qs[2], ks[2]):
+                site.refuse("is_causal with different query and key lengths (SDPA aligns it top-left)")
+                return
+            site.causal = True
+        else:
+            site.causal = False
+    else:
+        if site.extra.get("is_causal"):
+            site.refuse("both a mask and is_causal")
+            return
+        key = (site.mask, str(qs[2]), str(ks[2]))
+        if key not in mask_cache:
+            try:
+                mask_cache[key] = analyze_mask(gm, site.mask, site.q, site.k, trusted)
+            except NotProvable as exc:
+                mask_cache[key] = str(exc)
+            except Exception as exc:  # an evaluation failure is a refusal, never a wrong lowering
+                mask_cache[key] = f"the mask could not be evaluated ({type(exc).__name__}: {exc})"
+        pattern = mask_cache[key]
+        if isinstance(pattern, str):
+            site.refuse(pattern)
+            return
+        site.causal, site.window_left = pattern.causal, pattern.window_left
+    site.lowerable = True
+    site.reason = "lowered: " + site.describe()
+
+
+def _assign_layer_ids(sites: list[AttentionSite]) -> None:
+    """KV-pool layer ids: the module's layer index when unique among sites, else graph order."""
+    idx = [s.layer_index for s in sites]
+    unique = all(i is not None for i in idx) and len(set(idx)) == len(idx)
+    for ordinal, s in enumerate(sites):
+        s.layer_id = s.layer_index if unique else ordinal
+
+
+def _show(x: Any) -> str:
+    return x.name if isinstance(x, fx.Node) else repr(x)

@@ -1,0 +1,286 @@
+"""Prove what an attention mask in a graph is, by evaluating its subgraph on probe shapes.
+
+A mask may be replaced by the op's own ``causal`` / ``window_left`` parameters only when it
+is a function of shapes and positions alone. `value_inputs` finds the graph inputs whose
+*values* (not just sizes) reach the mask; any input other than the trusted positions makes
+the mask data-dependent and the site stays as it is. Otherwise `analyze_mask` extracts the
+mask's subgraph, evaluates it on probe sizes, and reads off the pattern: causal (aligned
+bottom-right), causal with a sliding window, or full. Instead of matching the many ways HF
+versions build masks, this checks what they compute.
+
+Probe sizes: a static graph is evaluated at its one shape, which is exact. A graph with
+symbolic sizes is evaluated at the traced sizes, one larger, and at a size beyond every
+integer constant in the mask's subgraph, so that a window (which appears there as a
+constant) cannot hide behind short probe sequences.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import sympy
+import torch
+from torch import fx
+
+from .fx_utils import SHAPE_ATTRS, SHAPE_QUERIES, example_value, is_op
+
+logger = logging.getLogger(__name__)
+
+#: Largest probe length: masks are evaluated as dense [L, L] tensors.
+MAX_PROBE_LEN = 8192
+
+
+@dataclass(frozen=True)
+class MaskPattern:
+    causal: bool
+    window_left: int = -1  # query at position p sees keys j >= p - window_left; -1: none
+
+    def describe(self) -> str:
+        if not self.causal:
+            return "full"
+        return "causal" if self.window_left < 0 else f"causal, window {self.window_left + 1}"
+
+
+class NotProvable(Exception):
+    """The mask (or value) could not be proven to be a pure function of shapes/positions."""
+
+
+def _is_shape_query(node: fx.Node) -> bool:
+    if is_op(node, SHAPE_QUERIES):
+        return True
+    return node.op == "call_function" and node.target is getattr and len(node.args) > 1 and node.args[1] in SHAPE_ATTRS
+
+
+def ancestors(node: fx.Node) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return seen
+
+
+def value_inputs(node: fx.Node) -> set[fx.Node]:
+    """Graph inputs (placeholders, get_attr) whose tensor *values* flow into ``node``.
+
+    Edges through size/shape/device/dtype queries are cut: they read metadata only.
+    SymInt placeholders are sizes, not data, and are not reported.
+    """
+    seen: set[fx.Node] = set()
+    found: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            if isinstance(example_value(n), torch.Tensor):
+                found.add(n)
+            continue
+        if n.op == "get_attr":
+            found.add(n)
+            continue
+        if _is_shape_query(n):
+            continue
+        stack.extend(n.all_input_nodes)
+    return found
+
+
+def extract_subgraph(gm: fx.GraphModule, target: fx.Node) -> tuple[fx.GraphModule, list[fx.Node]]:
+    """A GraphModule computing ``target`` from the placeholders it needs (in graph order)."""
+    need = ancestors(target)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    inputs: list[fx.Node] = []
+    for n in gm.graph.nodes:
+        if n not in need:
+            continue
+        if n.op == "placeholder":
+            env[n] = graph.placeholder(n.name)
+            inputs.append(n)
+        else:
+            env[n] = graph.node_copy(n, lambda x: env[x])
+    graph.output(env[target])
+    return fx.GraphModule(gm, graph), inputs
+
+
+def _free_symbols(inputs: Iterable[fx.Node]) -> dict[sympy.Symbol, int]:
+    """Free size symbols of the inputs' example values, with their traced (hint) values."""
+    hints: dict[sympy.Symbol, int] = {}
+
+    def visit(size: Any) -> None:
+        if isinstance(size, torch.SymInt):
+            shape_env = size.node.shape_env
+            values = getattr(shape_env, "backed_var_to_val", None)
+            if values is None:  # torch < 2.13
+                values = shape_env.var_to_val
+            for sym in size.node.expr.free_symbols:
+                if sym not in hints:
+                    hints[sym] = int(values.get(sym, 2))
+
+    for n in inputs:
+        val = example_value(n)
+        if isinstance(val, torch.SymInt):
+            visit(val)
+        elif isinstance(val, torch.Tensor):
+            for s in val.shape:
+                visit(s)
+    return hints
+
+
+def _concrete(size: Any, assignment: dict[sympy.Symbol, int]) -> int:
+    if isinstance(size, torch.SymInt):
+        return int(size.node.expr.xreplace({k: sympy.Integer(v) for k, v in assignment.items()}))
+    return int(size)
+
+
+def _int_constants(gm: fx.GraphModule) -> list[int]:
+    out: list[int] = []
+
+    def visit(a: Any) -> None:
+        if isinstance(a, bool):
+            return
+        if isinstance(a, int):
+            out.append(abs(a))
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                visit(x)
+        elif isinstance(a, slice):
+            visit((a.start, a.stop, a.step))
+
+    for n in gm.graph.nodes:
+        visit(n.args)
+        visit(tuple(n.kwargs.values()))
+    return out
+
+
+def _probe_input(node: fx.Node, assignment: dict[sympy.Symbol, int], positions: set[fx.Node], gen: torch.Generator) -> Any:
+    val = example_value(node)
+    if isinstance(val, (torch.SymInt, int)):
+        return _concrete(val, assignment)
+    if isinstance(val, torch.Tensor):
+        shape = [_concrete(s, assignment) for s in val.shape]
+        device = val.device if val.device.type != "meta" else torch.device("cpu")
+        if node in positions:
+            pos = torch.arange(shape[-1], device=device, dtype=val.dtype) if shape else torch.zeros((), dtype=val.dtype)
+            return pos.expand(shape).contiguous()
+        # Size-only inputs get random contents: an undetected value dependence then shows up
+        # as an inconsistent mask instead of a plausible one.
+        if val.dtype == torch.bool:
+            return (torch.rand(shape, generator=gen) > 0.5).to(device)
+        if val.dtype.is_floating_point:
+            return torch.randn(shape, generator=gen).to(device=device, dtype=val.dtype)
+        return torch.randint(-7, 7, shape, generator=gen).to(device=device, dtype=val.dtype)
+    raise NotProvable(f"input {node.name} has no example value to probe with")
+
+
+def probe_assignments(inputs: list[fx.Node], constants: list[int]) -> list[dict[sympy.Symbol, int]]:
+    hints = _free_symbols(inputs)
+    if not hints:
+        return [{}]
+    probes = [dict(hints), {s: v + 1 for s, v in hints.items()}]
+    big = max([0] + constants) + 3
+    if big > max(hints.values()):
+        if big > MAX_PROBE_LEN:
+            raise NotProvable(
+                f"the mask uses the constant {big - 3}, beyond the largest probe length {MAX_PROBE_LEN}"
+            )
+        probes.append({s: big for s in hints})
+    return probes
+
+
+def evaluate(gm: fx.GraphModule, target: fx.Node, positions: set[fx.Node] = frozenset()) -> list[tuple[dict, Any]]:
+    """Evaluate ``target`` at every probe assignment: ``[(assignment, value), ...]``."""
+    sub, inputs = extract_subgraph(gm, target)
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for assignment in probe_assignments(inputs, _int_constants(sub)):
+        args = [_probe_input(n, assignment, positions, gen) for n in inputs]
+        with torch.no_grad():
+            results.append((assignment, sub(*args)))
+    return results
+
+
+def classify(mask: torch.Tensor, q_len: int, k_len: int) -> MaskPattern:
+    """Read the pattern off one evaluated mask (SDPA convention: bool True = attend, float added)."""
+    from ..attn_backends.base import AttentionLayer
+    from ..attn_backends.torch_native import allowed_keys
+
+    if mask.dtype == torch.bool:
+        allowed = mask
+    elif mask.dtype.is_floating_point:
+        allowed = mask == 0
+        blocked = mask[~allowed]
+        if blocked.numel() and not bool((blocked <= -1e4).all()):
+            raise NotProvable("the mask adds values other than 0 and -inf (a bias, not a mask)")
+    else:
+        raise NotProvable(f"mask of dtype {mask.dtype}")
+    if allowed.dim() < 2 or allowed.shape[-1] not in (1, k_len) or allowed.shape[-2] not in (1, q_len):
+        raise NotProvable(f"mask of shape {tuple(allowed.shape)} does not match q_len={q_len}, k_len={k_len}")
+    allowed = allowed.expand(*allowed.shape[:-2], q_len, k_len).reshape(-1, q_len, k_len)
+    if not bool((allowed == allowed[:1]).all()):
+        raise NotProvable("the mask differs between batch entries or heads (it carries data)")
+    a = allowed[0]
+    q_pos = torch.arange(k_len - q_len, k_len, device=a.device)
+    candidates = [MaskPattern(True, -1), MaskPattern(False, -1)]
+    widths = a.sum(-1)
+    if q_len and int(widths.max()) > 0:
+        candidates.append(MaskPattern(True, int(widths.max()) - 1))
+    for cand in candidates:
+        layer = AttentionLayer(0, 1, 1, 1, 1, 1.0, cand.causal, cand.window_left)
+        if bool((allowed_keys(q_pos, k_len, layer) == a).all()):
+            return cand
+    raise NotProvable("the mask is not causal, sliding-window causal, or full")
+
+
+def analyze_mask(
+    gm: fx.GraphModule, mask: fx.Node, q: fx.Node, k: fx.Node, trusted_positions: set[fx.Node] = frozenset()
+) -> MaskPattern:
+    """The pattern of ``mask`` for queries ``q: [B, H, Sq, D]`` and keys ``k: [B, H, Sk, D]``.
+
+    Raises `NotProvable` with the reason when the mask depends on data or is no known pattern.
+    """
+    untrusted = value_inputs(mask) - set(trusted_positions)
+    if untrusted:
+        names = ", ".join(sorted(n.name for n in untrusted))
+        raise NotProvable(f"the mask depends on the values of input(s) {names} (it can carry padding or data)")
+    q_shape, k_shape = example_value(q).shape, example_value(k).shape
+    patterns = set()
+    for assignment, value in evaluate(gm, mask, set(trusted_positions)):
+        if not isinstance(value, torch.Tensor):
+            raise NotProvable("the mask is not a tensor")
+        patterns.add(classify(value, _concrete(q_shape[-2], assignment), _concrete(k_shape[-2], assignment)))
+    if len(patterns) != 1:
+        raise NotProvable(f"the mask changes pattern with the sequence length: {sorted(p.describe() for p in patterns)}")
+    return patterns.pop()
+
+
+def constant_value(gm: fx.GraphModule, node: Any) -> float:
+    """The value of a scalar that does not depend on any input's values (e.g. ``full([], 8.0)``)."""
+    if isinstance(node, (int, float)) and not isinstance(node, bool):
+        return float(node)
+    if not isinstance(node, fx.Node):
+        raise NotProvable(f"{node!r} is not a number")
+    if value_inputs(node):
+        raise NotProvable(f"{node.name} depends on input values")
+    values = {float(v) for _, v in evaluate(gm, node)}
+    if len(values) != 1:
+        raise NotProvable(f"{node.name} depends on the sequence length")
+    return values.pop()
+
+
+def is_scalar_item(node: Any) -> bool:
+    """``x.item()`` of a 0-d input: how Dynamo passes an unspecialized float module attribute."""
+    return (
+        isinstance(node, fx.Node)
+        and node.op == "call_method"
+        and node.target == "item"
+        and isinstance(node.args[0], fx.Node)
+        and node.args[0].op == "placeholder"
+    )
