@@ -34,7 +34,9 @@ def _is_impure(node: fx.Node) -> bool:
         if schema is not None and schema.is_mutable:
             return True
         name = getattr(node.target, "__name__", "")
-        if name.endswith("_") and not name.endswith("__") and name != "_":
+        # torch.relu_ and friends mutate; operator.and_ / or_ are plain binary operators.
+        in_place = name.endswith("_") and not name.endswith("__")
+        if in_place and getattr(node.target, "__module__", "") not in ("_operator", "operator"):
             return True
     return node.is_impure()
 

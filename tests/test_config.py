@@ -1,0 +1,67 @@
+import pickle
+
+import pytest
+
+import attngraph
+from attngraph import CompileConfig, ConfigError
+
+
+def test_defaults_are_valid_and_frozen():
+    cfg = CompileConfig()
+    assert cfg.cuda_graph_capture_sizes[:4] == (1, 2, 4, 8) and cfg.cuda_graph_capture_sizes[-1] == 256
+    with pytest.raises(Exception):
+        cfg.page_size = 4  # frozen
+
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(attention_backend="nope"), "attention_backend"),
+        (dict(decode_attention_backend="nope"), "decode_attention_backend"),
+        (dict(cuda_graph="sometimes"), "cuda_graph"),
+        (dict(piece_compiler="tvm"), "piece_compiler"),
+        (dict(page_size=0), "page_size"),
+        (dict(page_size=True), "page_size"),
+        (dict(kv_cache_tokens=1024, kv_memory_fraction=0.5), "not both"),
+        (dict(kv_memory_fraction=1.5), "kv_memory_fraction"),
+        (dict(cuda_graph_capture_sizes=(0, 2)), "capture_sizes"),
+        (dict(max_requests=0), "max_requests"),
+    ],
+)
+def test_bad_values_raise_at_construction(kwargs, needle):
+    with pytest.raises(ConfigError, match=needle):
+        CompileConfig(**kwargs)
+
+
+def test_unknown_field_is_named():
+    with pytest.raises(ConfigError, match="page_sise"):
+        CompileConfig.from_kwargs(page_sise=4)
+    with pytest.raises(ConfigError, match="page_sise"):
+        attngraph.backend(page_sise=4)
+
+
+def test_capture_sizes_sorted_and_deduplicated():
+    assert CompileConfig(cuda_graph_capture_sizes=(8, 1, 8, 2)).cuda_graph_capture_sizes == (1, 2, 8)
+
+
+def test_config_pickles():
+    cfg = CompileConfig(attention_backend="torch_native", page_size=4)
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
+
+
+def test_debug_env_dumps_graphs(monkeypatch, tmp_path, caplog):
+    import torch
+
+    monkeypatch.setenv("ATTNGRAPH_DEBUG", "1")
+    cfg = CompileConfig()
+    assert cfg.debug_dump_dir
+    cfg = cfg.replace(debug_dump_dir=str(tmp_path))
+    f = torch.compile(
+        lambda q: torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True),
+        backend=attngraph.compiler.AttnGraphBackend(cfg),
+    )
+    with caplog.at_level("WARNING"):
+        f(torch.randn(1, 2, 5, 8))
+    dumped = sorted(p.name for p in tmp_path.rglob("*.py"))
+    assert dumped == ["0-dynamo.py", "1-lower_attention.py", "2-cleanup.py"]
+    assert str(tmp_path) in caplog.text
