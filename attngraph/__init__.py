@@ -14,9 +14,14 @@ from .compiler import AttentionReport, explain
 from .compiler import make_backend as backend
 from .compiler import register as _register
 
+from .runtime.accelerate import UnsupportedGenerationError, accelerate, restore
+
 _register()
 
 __all__ = [
+    "UnsupportedGenerationError",
+    "accelerate",
+    "restore",
     "AttentionReport",
     "backend",
     "explain",

@@ -38,7 +38,7 @@ def tiny_config(arch: str):
 def build_model(arch: str, impl: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     torch.manual_seed(seed)
     cfg = tiny_config(arch)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl, torch_dtype=dtype)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl, dtype=dtype)
     return model.eval()
 
 

@@ -29,7 +29,8 @@ class AttnGraphBackend:
 
     ``mode="stateless"``: each call runs under a `ForwardContext` naming the dense attention
     backend. ``mode="paged"``: the runtime publishes the context (with its ForwardBatch) itself,
-    and the ``trusted_positions`` placeholders carry token positions.
+    and the ``trusted_positions`` placeholders carry token positions. ``on_sites`` is called
+    with each graph's sites after the passes, before anything runs (it may raise).
     ``report`` accumulates the sites of every graph compiled through this backend.
     """
 
@@ -38,6 +39,7 @@ class AttnGraphBackend:
         config: CompileConfig | None = None,
         mode: str = "stateless",
         trusted_positions: Iterable[str] = (),
+        on_sites: Callable[[list[AttentionSite]], None] | None = None,
     ) -> None:
         if mode not in ("stateless", "paged"):
             raise ValueError(f"mode must be 'stateless' or 'paged', got {mode!r}")
@@ -47,12 +49,15 @@ class AttnGraphBackend:
         self.report = AttentionReport()
         self.graphs: list[fx.GraphModule] = []
         self.sites: list[AttentionSite] = []
+        self.on_sites = on_sites
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         sites = self.pipeline.run(gm, example_inputs)
         self.report.add_graph(sites)
         self.sites.extend(sites)
         self.graphs.append(gm)
+        if self.on_sites is not None:
+            self.on_sites(sites)
         device_type = _device_type(sites, example_inputs)
         compiled = compile_graph(gm, example_inputs, self.config.resolved_piece_compiler(device_type))
         if self.mode == "paged":

@@ -108,4 +108,5 @@ def _clean_path(path: str) -> str:
     path = re.sub(r"^L\['[^']*'\](\[\d+\])?\.?", "", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = path.replace("._modules['", ".").replace("']", "")
+    path = re.sub(r"^(__self__|self)\.", "", path.strip("."))  # a bound method's receiver
     return path.strip(".")

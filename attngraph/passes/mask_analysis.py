@@ -251,14 +251,31 @@ def analyze_mask(
         names = ", ".join(sorted(n.name for n in untrusted))
         raise NotProvable(f"the mask depends on the values of input(s) {names} (it can carry padding or data)")
     q_shape, k_shape = example_value(q).shape, example_value(k).shape
-    patterns = set()
+    seen: list[tuple[MaskPattern, int]] = []
     for assignment, value in evaluate(gm, mask, set(trusted_positions)):
         if not isinstance(value, torch.Tensor):
             raise NotProvable("the mask is not a tensor")
-        patterns.add(classify(value, _concrete(q_shape[-2], assignment), _concrete(k_shape[-2], assignment)))
-    if len(patterns) != 1:
-        raise NotProvable(f"the mask changes pattern with the sequence length: {sorted(p.describe() for p in patterns)}")
-    return patterns.pop()
+        k_len = _concrete(k_shape[-2], assignment)
+        seen.append((classify(value, _concrete(q_shape[-2], assignment), k_len), k_len))
+    return _merge(seen)
+
+
+def _merge(seen: list[tuple[MaskPattern, int]]) -> MaskPattern:
+    """One pattern consistent with every probe.
+
+    A window of ``w + 1`` keys is invisible in a probe with at most that many keys: there
+    "causal" and "causal, window w" agree, so such probes do not contradict the window.
+    """
+    windows = {p.window_left for p, _ in seen if p.window_left >= 0}
+    kinds = {p.causal for p, _ in seen}
+    if len(kinds) == 1 and not windows:
+        return seen[0][0]
+    if kinds == {True} and len(windows) == 1:
+        w = windows.pop()
+        if all(p.window_left == w or k_len <= w + 1 for p, k_len in seen):
+            return MaskPattern(True, w)
+    described = sorted({p.describe() for p, _ in seen})
+    raise NotProvable(f"the mask changes pattern with the sequence length: {described}")
 
 
 def constant_value(gm: fx.GraphModule, node: Any) -> float:

@@ -1,0 +1,154 @@
+"""`attngraph.accelerate(model)`: HF `generate` on the paged runtime, everything else unchanged.
+
+transformers' own generation loop keeps doing what it does (logits processors, sampling,
+stopping criteria, streamers, ``return_dict_in_generate``); each forward it makes is served by
+the `ModelRunner` through a `PagedCache` owned by the call. A direct ``model(...)`` call
+without that cache runs the original forward untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import threading
+from typing import Any
+
+import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from ..config import CompileConfig
+from ..errors import AttnGraphError, UnsupportedModelError
+from .model_runner import ModelRunner
+from .paged_cache import PagedCache
+
+logger = logging.getLogger(__name__)
+
+_STATE_ATTR = "_attngraph_state"
+SUPPORTED_MODES = "greedy decoding and multinomial sampling (temperature, top-k, top-p, logits processors), num_beams=1"
+
+
+class UnsupportedGenerationError(AttnGraphError, ValueError):
+    """A generate() option the accelerated path does not serve (beam search, assisted decoding...)."""
+
+
+class AcceleratedState:
+    """What `accelerate` attached to a model: the runner, the originals, a lock serializing generate."""
+
+    def __init__(self, model: torch.nn.Module, config: CompileConfig) -> None:
+        self.config = config
+        self.original_forward = model.forward
+        self.original_generate = model.generate
+        self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.runner = ModelRunner(model, config)
+        self.lock = threading.Lock()
+
+
+def accelerate(model: torch.nn.Module, config: CompileConfig | None = None, **options: Any) -> torch.nn.Module:
+    """Make ``model.generate(...)`` run on attngraph's paged runtime; returns the same model.
+
+    Parameters
+    ----------
+    model:
+        A transformers causal LM (``AutoModelForCausalLM``) whose attention is SDPA or eager.
+    config, **options:
+        A `CompileConfig` and/or its fields (``attention_backend="triton"``, ``page_size=1``,
+        ``kv_cache_tokens=...``).
+
+    The model is compiled once here (a 2-token warm-up), so an unsupported model or backend
+    fails now with `UnsupportedModelError` / `BackendUnavailableError`. `restore` undoes it.
+
+    Examples
+    --------
+    >>> model = attngraph.accelerate(model, attention_backend="torch_native")
+    >>> out = model.generate(input_ids, attention_mask=mask, max_new_tokens=32)
+    """
+    if getattr(model, _STATE_ATTR, None) is not None:
+        raise AttnGraphError("this model is already accelerated; call attngraph.restore(model) first")
+    if not hasattr(model, "generate") or not hasattr(model, "config"):
+        raise UnsupportedModelError(f"{type(model).__name__} is not a transformers generation model")
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise UnsupportedModelError("encoder-decoder models are not supported by accelerate(); use torch.compile")
+    cfg = CompileConfig.from_kwargs(config, **options)
+    state = AcceleratedState(model, cfg)
+    state.runner.warmup()
+    object.__setattr__(model, _STATE_ATTR, state)
+    model.forward = functools.partial(_forward, model)
+    model.generate = functools.partial(_generate, model)
+    return model
+
+
+def restore(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo `accelerate`: the original forward and generate, the KV pool released."""
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        return model
+    with state.lock:
+        for name in ("forward", "generate"):
+            model.__dict__.pop(name, None)
+        object.__delattr__(model, _STATE_ATTR)
+    return model
+
+
+def state_of(model: torch.nn.Module) -> AcceleratedState:
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        raise AttnGraphError("model is not accelerated; call attngraph.accelerate(model) first")
+    return state
+
+
+def _check_generate_options(model: torch.nn.Module, state: AcceleratedState, kwargs: dict) -> None:
+    gen_cfg = kwargs.get("generation_config") or model.generation_config
+
+    def opt(name: str, default: Any = None) -> Any:
+        return kwargs.get(name, getattr(gen_cfg, name, default))
+
+    problems = []
+    if (opt("num_beams", 1) or 1) > 1:
+        problems.append(f"beam search (num_beams={opt('num_beams')})")
+    if kwargs.get("assistant_model") is not None or opt("prompt_lookup_num_tokens") is not None:
+        problems.append("assisted / speculative decoding")
+    if opt("penalty_alpha") is not None and (opt("top_k") or 0) > 1:
+        problems.append("contrastive search")
+    if kwargs.get("inputs_embeds") is not None:
+        problems.append("inputs_embeds (pass input_ids)")
+    for name in ("cache", "past_key_values"):
+        if kwargs.get(name) is not None:
+            problems.append(f"a user-supplied {name} (the accelerated generate manages its own paged cache)")
+    if opt("cache_implementation") is not None:
+        problems.append(f"cache_implementation={opt('cache_implementation')!r}")
+    if problems:
+        raise UnsupportedGenerationError(
+            "attngraph's accelerated generate does not support " + "; ".join(problems)
+            + f". Supported: {SUPPORTED_MODES}. For other modes call attngraph.restore(model) first "
+            "(HF's own generate) or use the original model."
+        )
+
+
+def _generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    state = state_of(model)
+    _check_generate_options(model, state, kwargs)
+    with state.lock:  # one generate at a time per model: the runner's step state is shared
+        cache = PagedCache(state.runner)
+        try:
+            return state.original_generate(*args, **{state.cache_kwarg: cache}, **kwargs)
+        finally:
+            cache.free()
+
+
+def _forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    state = state_of(model)
+    cache = kwargs.get(state.cache_kwarg)
+    if not isinstance(cache, PagedCache):
+        return state.original_forward(*args, **kwargs)
+    if args:
+        raise AttnGraphError("pass input_ids by keyword to an accelerated model's forward")
+    if kwargs.get("inputs_embeds") is not None:
+        raise UnsupportedGenerationError("inputs_embeds are not supported by the paged runtime; pass input_ids")
+    input_ids = kwargs.get("input_ids")
+    if input_ids is None:
+        raise ValueError("input_ids is required")
+    logits = cache.step(input_ids, kwargs.get("attention_mask"), kwargs.get("logits_to_keep", 0))
+    out = CausalLMOutputWithPast(logits=logits)
+    out[state.cache_kwarg] = cache
+    return out

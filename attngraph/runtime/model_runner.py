@@ -1,0 +1,157 @@
+"""`ModelRunner`: the ragged model, the KV pool and the attention backend, run one step at a time."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ..attn_backends.base import AttentionBackend, ModelAttentionSpec
+from ..attn_backends.torch_native import TorchNativeBackend
+from ..config import CompileConfig
+from ..errors import UnsupportedModelError
+from ..passes.site import AttentionSite
+from .forward_batch import ForwardBatch
+from .forward_context import ForwardContext, use_forward_context
+from .kv_pool import KVPool
+from .ragged_model import RaggedModel
+
+logger = logging.getLogger(__name__)
+
+#: KV pool size on CPU when the config gives none (tokens).
+CPU_DEFAULT_KV_TOKENS = 16384
+#: Fraction of free device memory the pool takes on CUDA when the config gives no size.
+CUDA_DEFAULT_KV_FRACTION = 0.4
+MAX_DEFAULT_CONTEXT = 32768
+
+
+@dataclass(frozen=True)
+class AttentionGeometry:
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def attention_geometry(hf_config) -> AttentionGeometry:
+    """Layer count and head shapes from an HF config (checked against the traced sites later)."""
+    cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    try:
+        layers = cfg.num_hidden_layers
+        heads = cfg.num_attention_heads
+    except AttributeError as exc:
+        raise UnsupportedModelError(f"the model config has no {exc.name}; cannot size the KV pool") from exc
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return AttentionGeometry(layers, heads, kv_heads, head_dim)
+
+
+class ModelRunner:
+    """Runs a `ForwardBatch` through the ragged model with the pool and backend published.
+
+    Built by `attngraph.accelerate`; usable directly for custom serving loops::
+
+        runner = ModelRunner(model, CompileConfig(attention_backend="torch_native"))
+        row = runner.pool.alloc_request(); runner.pool.reserve([row], [len(prompt)])
+        batch = ForwardBatch.build(runner.pool, [row], [0], [len(prompt)], prompt)
+        logits = runner.forward(batch, batch.qo_indptr[1:] - 1)   # [1, vocab]
+    """
+
+    def __init__(self, model: torch.nn.Module, config: CompileConfig) -> None:
+        self.model = model
+        self.config = config
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.geometry = attention_geometry(model.config)
+        max_pos = getattr(model.config, "max_position_embeddings", None) or MAX_DEFAULT_CONTEXT
+        self.max_context_len = config.max_context_len or min(int(max_pos), MAX_DEFAULT_CONTEXT)
+        self.pool = self._make_pool()
+        self.spec: ModelAttentionSpec | None = None
+        self.backend: AttentionBackend | None = None
+        self._reference = TorchNativeBackend()
+        self.ragged = RaggedModel(model, config)
+        self.ragged.backend.on_sites = self._on_sites_checked
+
+    # ------------------------------------------------------------------ setup
+    def _make_pool(self) -> KVPool:
+        g, cfg = self.geometry, self.config
+        per_token = KVPool.bytes_per_token(g.num_layers, g.num_kv_heads, g.head_dim, g.head_dim, self.dtype)
+        if cfg.kv_cache_tokens is not None:
+            tokens = cfg.kv_cache_tokens
+        elif self.device.type == "cuda":
+            fraction = cfg.kv_memory_fraction or CUDA_DEFAULT_KV_FRACTION
+            free, _total = torch.cuda.mem_get_info(self.device)
+            tokens = int(free * fraction) // per_token
+        else:
+            tokens = CPU_DEFAULT_KV_TOKENS
+        num_pages = max(1, tokens // cfg.page_size)
+        logger.info(
+            "KV pool: %d pages x %d tokens (%.1f MiB) for %d layers",
+            num_pages, cfg.page_size, num_pages * cfg.page_size * per_token / 2**20, g.num_layers,
+        )
+        return KVPool(
+            num_layers=g.num_layers,
+            num_kv_heads=g.num_kv_heads,
+            head_dim=g.head_dim,
+            num_pages=num_pages,
+            page_size=cfg.page_size,
+            dtype=self.dtype,
+            device=self.device,
+            max_requests=cfg.max_requests,
+            max_context_len=self.max_context_len,
+        )
+
+    def _on_sites_checked(self, sites: list[AttentionSite]) -> None:
+        self.ragged._check_sites(sites)
+        g = self.geometry
+        for s in sites:
+            if (s.num_kv_heads, s.head_dim, s.v_head_dim) != (g.num_kv_heads, g.head_dim, g.head_dim) or not (
+                0 <= s.layer_id < g.num_layers
+            ):
+                raise UnsupportedModelError(
+                    f"attention site {s.name} has {s.num_kv_heads} KV heads of dim {s.head_dim}/{s.v_head_dim} "
+                    f"at layer {s.layer_id}, but the config promises {g.num_kv_heads} of dim {g.head_dim} "
+                    f"over {g.num_layers} layers; the paged KV pool cannot hold it"
+                )
+        if len({s.layer_id for s in sites}) != len(sites):
+            raise UnsupportedModelError("two attention sites map to the same KV-pool layer")
+        self.spec = ModelAttentionSpec(
+            num_layers=g.num_layers,
+            num_q_heads=g.num_q_heads,
+            num_kv_heads=g.num_kv_heads,
+            head_dims=(g.head_dim,),
+            dtype=self.dtype,
+            device_type=self.device.type,
+            page_size=self.config.page_size,
+            uses_window=any(s.window_left >= 0 for s in sites),
+            uses_logit_cap=any(isinstance(s.logit_cap, torch.fx.Node) or s.logit_cap > 0 for s in sites),
+            non_causal=any(not s.causal for s in sites),
+        )
+        from ..attn_backends.hybrid import create_attention_backend
+
+        self.backend = create_attention_backend(self.config, spec=self.spec)
+        logger.info("attention backend: %s", type(self.backend).__name__)
+
+    def warmup(self) -> None:
+        """Compile now (a 2-token dummy request) so errors surface at `accelerate` time."""
+        row = self.pool.alloc_request()
+        try:
+            self.pool.reserve([row], [2])
+            ids = torch.zeros(2, dtype=torch.long, device=self.device)
+            batch = ForwardBatch.build(self.pool, [row], [0], [2], ids)
+            self.forward(batch, batch.qo_indptr[1:].long() - 1)
+        finally:
+            self.pool.free_request(row)
+
+    # ------------------------------------------------------------------ step
+    def forward(self, batch: ForwardBatch, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Run ``batch``; returns logits ``[len(logits_indices), vocab]`` of the given token rows."""
+        backend = self.backend or self._reference  # the reference serves the very first (tracing) call
+        backend.init_forward_metadata(batch)
+        with use_forward_context(ForwardContext(backend, batch)):
+            return self.ragged(batch.input_ids, batch.positions, logits_indices.to(self.device))
+
+    @property
+    def num_compilations(self) -> int:
+        return self.ragged.num_compilations

@@ -1,0 +1,121 @@
+"""`PagedCache`: the transformers `Cache` that one accelerated `generate` call runs with.
+
+It holds no tensors of its own: the K/V live in the runner's `KVPool`; the cache owns the
+pool rows (and their pages) of its batch and frees them when the call ends or the object is
+dropped. Each forward of the model with a PagedCache is one paged step (`step`).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from transformers.cache_utils import Cache
+
+from ..errors import AttnGraphError
+from .forward_batch import ForwardBatch
+from .kv_pool import KVPool
+
+
+class _PagedLayer:
+    """Per-layer placeholder so transformers' cache introspection sees attention (not linear) layers."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+
+def _free_rows(pool: KVPool, rows: list[int]) -> None:
+    for row in rows:
+        pool.free_request(row)
+    rows.clear()
+
+
+class PagedCache(Cache):
+    """Pages of one batch of requests in a `ModelRunner`'s pool.
+
+    ``lengths[b]``: tokens of request ``b`` stored in the pool (pads are never stored).
+    ``get_seq_length()``: columns of the batch processed so far (pads included), which is what
+    transformers' generate expects.
+    """
+
+    def __init__(self, runner) -> None:
+        super().__init__(layers=[_PagedLayer() for _ in range(runner.geometry.num_layers)])
+        self.runner = runner
+        self.pool: KVPool = runner.pool
+        self.rows: list[int] = []
+        self.lengths: list[int] = []
+        self.columns = 0
+        self._finalizer = weakref.finalize(self, _free_rows, self.pool, self.rows)
+
+    # ------------------------------------------------------------------ transformers' Cache API
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.columns
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.pool.max_context_len
+
+    def update(self, *args, **kwargs):
+        raise AttnGraphError(
+            "PagedCache stores K/V in attngraph's pool; it is only used through the accelerated model's forward"
+        )
+
+    # ------------------------------------------------------------------ ownership
+    def free(self) -> None:
+        """Return every page of this batch to the pool (idempotent)."""
+        _free_rows(self.pool, self.rows)
+        self.lengths = []
+
+    def _allocate(self, batch_size: int) -> None:
+        try:
+            for _ in range(batch_size):
+                self.rows.append(self.pool.alloc_request())
+        except Exception:
+            _free_rows(self.pool, self.rows)
+            raise
+        self.lengths = [0] * batch_size
+
+    # ------------------------------------------------------------------ one step
+    def step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+        """Run the new tokens ``input_ids: [B, S]`` (``attention_mask: [B, past + S]``, 0 = pad).
+
+        Returns logits ``[B, S', vocab]``: ``S' = 1`` (each request's last new token) when
+        ``logits_to_keep == 1``, else all ``S`` columns with zeros at pad positions.
+        Nothing is written when this raises (too few pages, bad input).
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        bsz, seq = input_ids.shape
+        if seq == 0:
+            raise ValueError("empty prompt: input_ids has no tokens; give at least one token per sequence")
+        if self.rows and len(self.rows) != bsz:
+            raise ValueError(f"this PagedCache holds {len(self.rows)} sequences, the step has {bsz}")
+        valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask[:, -seq:].bool()
+        counts = valid.sum(1).tolist()
+        if self.columns == 0 and 0 in counts:
+            raise ValueError(f"empty prompt in row {counts.index(0)} of the batch (all of its tokens are padding)")
+        if not self.rows:
+            self._allocate(bsz)
+        new_lens = [n + c for n, c in zip(self.lengths, counts)]
+        self.pool.reserve(self.rows, new_lens)  # all or nothing: raises KVCacheFullError before writing
+        flat_ids = input_ids[valid]  # [T], request-major
+        batch = ForwardBatch.build(self.pool, self.rows, list(self.lengths), counts, flat_ids)
+        last = batch.qo_indptr[1:].long() - 1  # [B] row of each request's last new token
+        if isinstance(logits_to_keep, int) and logits_to_keep == 1:
+            logits = self.runner.forward(batch, last)[:, None]  # [B, 1, V]
+        else:
+            all_rows = torch.arange(batch.num_tokens, device=flat_ids.device)
+            flat = self.runner.forward(batch, all_rows)  # [T, V]
+            logits = flat.new_zeros((bsz, seq, flat.shape[-1]))
+            logits[valid] = flat
+            if isinstance(logits_to_keep, int) and logits_to_keep > 0:
+                logits = logits[:, -logits_to_keep:]
+            elif isinstance(logits_to_keep, torch.Tensor):
+                logits = logits[:, logits_to_keep]
+        self.lengths = new_lens
+        self.columns += seq
+        return logits

@@ -1,0 +1,92 @@
+"""`RaggedModel`: an HF causal LM compiled once in ragged form.
+
+The model is traced as ``input_ids[1, N]``, ``position_ids[1, N]``, no HF cache, logits only
+at ``logits_indices``. Token-wise layers do not care which request a token belongs to;
+attention is lowered to the paged op, which reads the per-request structure from the
+`ForwardContext`. The mask the model builds from positions becomes dead code.
+
+N and the number of logits are dynamic. Both are padded to at least 2 so that Dynamo's
+specialization of sizes 0 and 1 never produces a second graph (a 1-token graph could also
+let HF skip a sliding-window mask, hiding the window from the passes).
+"""
+
+from __future__ import annotations
+
+import logging
+import torch
+
+from ..compiler.backend import AttnGraphBackend
+from ..config import CompileConfig
+from ..errors import AttnGraphError, UnsupportedModelError
+from ..passes.site import AttentionSite
+
+logger = logging.getLogger(__name__)
+
+MIN_TOKENS = 2
+
+
+class RaggedModel:
+    """Calls ``model`` in ragged form through the attngraph compiler (paged mode)."""
+
+    def __init__(self, model: torch.nn.Module, config: CompileConfig) -> None:
+        self.model = model
+        self.config = config
+        self.backend = AttnGraphBackend(
+            config, mode="paged", trusted_positions=("position_ids",), on_sites=self._check_sites
+        )
+        forward = model.forward  # bound before `accelerate` patches the instance
+
+        def ragged_forward(input_ids: torch.Tensor, position_ids: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+            out = forward(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=logits_indices)
+            return out.logits[0]
+
+        self._compiled = torch.compile(ragged_forward, backend=self.backend, fullgraph=True, dynamic=False)
+
+    @property
+    def num_compilations(self) -> int:
+        return self.backend.report.num_graphs
+
+    @property
+    def sites(self) -> list[AttentionSite]:
+        return self.backend.sites
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """``input_ids, positions: [T]``, ``logits_indices: [L]`` -> logits ``[L, vocab]``.
+
+        Token rows beyond the ForwardBatch's ``num_tokens`` are padding (their attention output
+        is zero and their K/V are not stored).
+        """
+        n, n_logits = input_ids.shape[0], logits_indices.shape[0]
+        if n < MIN_TOKENS:
+            pad = MIN_TOKENS - n
+            input_ids = torch.cat([input_ids, input_ids.new_zeros(pad)])
+            positions = torch.cat([positions, positions.new_zeros(pad)])
+        if n_logits < MIN_TOKENS:
+            logits_indices = torch.cat([logits_indices, logits_indices.new_zeros(MIN_TOKENS - n_logits)])
+        ids, pos = input_ids[None], positions[None]
+        torch._dynamo.mark_dynamic(ids, 1)
+        torch._dynamo.mark_dynamic(pos, 1)
+        torch._dynamo.mark_dynamic(logits_indices, 0)
+        try:
+            with torch.no_grad():
+                logits = self._compiled(ids, pos, logits_indices)
+        except torch._dynamo.exc.BackendCompilerFailed as exc:
+            inner = getattr(exc, "inner_exception", None)
+            if isinstance(inner, AttnGraphError):
+                raise inner from None
+            raise
+        return logits[:n_logits]
+
+    def _check_sites(self, sites: list[AttentionSite]) -> None:
+        """In ragged form every attention must be lowered: an unlowered site would mix requests.
+
+        Runs inside the compiler, before the graph ever executes.
+        """
+        bad = [s for s in sites if not s.lowered]
+        if not sites or bad:
+            lines = "\n".join(f"  {s.name} ({s.kind}): {s.reason}" for s in sites) or "  (no attention found)"
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__} cannot run on the paged runtime: every attention site must be "
+                f"lowered, {len(sites) - len(bad)}/{len(sites)} were.\n{lines}\n"
+                "Use the stateless form instead: torch.compile(model, backend='attngraph')."
+            )
