@@ -12,8 +12,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _reset_dynamo():
+def _reset_dynamo(request):
+    """Fresh Dynamo caches per test (tests compile the same HF forward many times), except in
+    modules that share one compiled model across tests (marked ``keep_dynamo_cache``)."""
     import torch._dynamo
 
-    torch._dynamo.reset()
+    if request.node.get_closest_marker("keep_dynamo_cache") is None:
+        torch._dynamo.reset()
     yield

@@ -37,7 +37,8 @@ class GraphSupport(enum.IntEnum):
 class AttentionLayer:
     """Static attributes of one attention site, as lowered into the op.
 
-    ``window_left``: a query at position ``i`` sees keys ``j`` with ``i - window_left <= j``
+    ``window_left``: a causal query at position ``i`` sees keys ``j`` with
+    ``i - window_left <= j <= i``; a non-causal one sees ``|j - i| <= window_left``
     (``-1``: no window). ``logit_cap``: ``cap * tanh(s / cap)`` applied to the scaled scores
     (``0``: none). ``causal=False`` means every query sees every key of its request.
     """

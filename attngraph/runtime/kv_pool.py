@@ -150,6 +150,7 @@ class KVPool:
             return
         pages = self.req_to_page_cpu[row, :held].tolist()
         self.req_to_page_cpu[row, :held] = 0
+        self.req_to_page[row, :held] = 0  # a reused row must not point at pages it no longer owns
         self._free_pages.extend(reversed(pages))
         self._free_rows.append(row)
 

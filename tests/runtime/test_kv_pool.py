@@ -196,12 +196,6 @@ def test_reserve_unknown_row_changes_nothing():
     assert_same_state(pool, before)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: free_request zeroes req_to_page_cpu[row] but not the device req_to_page[row]; a "
-    "freed (or re-allocated, not yet reserved) row keeps its old page ids on the device, so the "
-    "documented 'req_to_page_cpu mirrors req_to_page; unused entries hold 0' does not hold",
-)
 def test_device_table_mirrors_host_table_after_free():
     pool = make_pool(num_pages=8, page_size=4, max_requests=2, max_context_len=32)
     r = pool.alloc_request()

@@ -1,0 +1,128 @@
+"""`attngraph.accelerate(model).generate(...)` against HF eager generate on a deep copy."""
+
+import copy
+
+import pytest
+import torch
+
+import attngraph
+from attngraph.runtime.accelerate import state_of
+
+from ..hf_models import arch_impl_params, build_model
+
+PAD = 0
+
+
+def left_padded_batch(vocab: int, lengths=(24, 13, 20), seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
+    mask = torch.zeros((len(lengths), width), dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, width - n :] = torch.randint(3, vocab, (n,), generator=g)
+        mask[i, width - n :] = 1
+    return ids, mask
+
+
+def accelerated_pair(arch, impl, **options):
+    model = build_model(arch, impl)
+    reference = copy.deepcopy(model)
+    options = {"attention_backend": "torch_native", "page_size": 4, **options}
+    return attngraph.accelerate(model, **options), reference
+
+
+GREEDY = dict(max_new_tokens=16, do_sample=False, pad_token_id=PAD, eos_token_id=None)
+
+
+@pytest.mark.parametrize("arch,impl", arch_impl_params())
+def test_greedy_and_sampling_match_hf(arch, impl):
+    model, reference = accelerated_pair(arch, impl)
+    ids, mask = left_padded_batch(model.config.vocab_size)
+    with torch.no_grad():
+        want = reference.generate(ids, attention_mask=mask, **GREEDY)
+    got = model.generate(ids, attention_mask=mask, **GREEDY)
+    assert torch.equal(got, want)
+    sampling = dict(max_new_tokens=16, do_sample=True, temperature=0.8, top_k=20, top_p=0.9, pad_token_id=PAD)
+    torch.manual_seed(123)
+    got = model.generate(ids, attention_mask=mask, **sampling)
+    torch.manual_seed(123)
+    want = reference.generate(ids, attention_mask=mask, **sampling)
+    assert torch.equal(got, want)
+    runner = state_of(model).runner
+    assert runner.num_compilations == 1
+    assert runner.pool.num_used_pages == 0 and runner.pool.num_active_requests == 0
+
+
+def test_one_compilation_over_changing_batches():
+    model, reference = accelerated_pair("llama", "sdpa")
+    runner = state_of(model).runner
+    for seed, lengths in enumerate([(5,), (9, 3), (17, 2, 11, 6), (1,), (30, 30)]):
+        ids, mask = left_padded_batch(model.config.vocab_size, lengths, seed)
+        got = model.generate(ids, attention_mask=mask, **{**GREEDY, "max_new_tokens": 5})
+        want = reference.generate(ids, attention_mask=mask, **{**GREEDY, "max_new_tokens": 5})
+        assert torch.equal(got, want)
+    assert runner.num_compilations == 1
+
+
+def test_hf_generate_features_are_intact():
+    model, reference = accelerated_pair("qwen2", "sdpa")
+    ids, mask = left_padded_batch(model.config.vocab_size, (12, 7))
+    common = dict(
+        max_new_tokens=10,
+        do_sample=False,
+        pad_token_id=PAD,
+        repetition_penalty=1.3,
+        no_repeat_ngram_size=2,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
+    got = model.generate(ids, attention_mask=mask, **common)
+    want = reference.generate(ids, attention_mask=mask, **common)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.scores, want.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    # eos stops a sequence early: pick the token HF generates at step 3 of row 0 as eos.
+    eos = int(want.sequences[0, ids.shape[1] + 3])
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=PAD, eos_token_id=eos)
+    want = reference.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=PAD, eos_token_id=eos)
+    assert torch.equal(got, want)
+
+
+def test_streamer_receives_the_tokens():
+    from transformers.generation.streamers import BaseStreamer
+
+    class Collect(BaseStreamer):
+        def __init__(self):
+            self.chunks = []
+            self.ended = False
+
+        def put(self, value):
+            self.chunks.append(value.clone())
+
+        def end(self):
+            self.ended = True
+
+    model, _ = accelerated_pair("llama", "eager")
+    ids, _ = left_padded_batch(model.config.vocab_size, (9,))
+    streamer = Collect()
+    out = model.generate(ids, streamer=streamer, **GREEDY)
+    assert streamer.ended
+    streamed = torch.cat([c.reshape(-1) for c in streamer.chunks[1:]])
+    assert torch.equal(streamed, out[0, ids.shape[1] :])
+
+
+def test_restore_gives_back_the_original_model():
+    model, reference = accelerated_pair("llama", "sdpa")
+    ids, mask = left_padded_batch(model.config.vocab_size, (6, 4))
+    attngraph.restore(model)
+    assert "generate" not in model.__dict__ and "forward" not in model.__dict__
+    torch.testing.assert_close(model(ids, attention_mask=mask).logits, reference(ids, attention_mask=mask).logits)
+    assert torch.equal(model.generate(ids, attention_mask=mask, **GREEDY), reference.generate(ids, attention_mask=mask, **GREEDY))
+    attngraph.accelerate(model, attention_backend="torch_native")  # can be accelerated again
+
+
+def test_direct_forward_without_paged_cache_is_the_original():
+    model, reference = accelerated_pair("mistral", "eager")
+    ids, _ = left_padded_batch(model.config.vocab_size, (10,))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits)
