@@ -47,8 +47,9 @@ plus a paged prefill over the cached prefix (``causal=False``), merged by their 
 (FlashInfer's LSE is base 2: ``o = (o_a 2^{s_a} + o_b 2^{s_b}) / (2^{s_a} + 2^{s_b})``). The merge
 is done with torch ops rather than ``flashinfer.merge_state``, whose cascade module is not
 among the prebuilt kernels and would JIT on a fresh machine. (a) reads the new tokens' K/V
-from registers instead of pages, which can win for long new segments on short prefixes; but
-its prefix part sees positions shifted by the extend length, so a sliding window would need a
+from the contiguous ``k``/``v`` inputs instead of through the page table, which can win for
+long new segments on short prefixes, at the cost of two kernels, two plans and a merge; its
+prefix part sees positions shifted by the extend length, so a sliding window would need a
 custom mask: window kinds always use (b). Choose with ``extend_impl=`` or the environment
 variable ``ATTNGRAPH_FLASHINFER_EXTEND`` (``paged`` | ``ragged_merge``).
 
@@ -70,7 +71,7 @@ import logging
 import os
 from typing import Iterable
 
-import flashinfer  # noqa: F401  (ImportError -> BackendUnavailableError in the registry)
+import flashinfer  # ImportError here -> BackendUnavailableError in the registry
 import torch
 
 from ..errors import CaptureError
@@ -389,7 +390,7 @@ class FlashInferBackend(AttentionBackend):
             raise RuntimeError("FlashInferBackend.forward called before init_forward_metadata")
         planned = meta.planned.get(kind)
         if planned is None:
-            if torch.cuda.is_current_stream_capturing():
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise CaptureError(
                     f"attention layer kind {kind} was not planned before CUDA-graph capture; call "
                     "FlashInferBackend.set_layer_kinds(layers) or run one eager step before capturing"

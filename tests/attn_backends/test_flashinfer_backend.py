@@ -90,11 +90,13 @@ def make_step(gen, *, dtype, hq, hkv, d, page_size, prefix_lens, extend_lens, mo
         pool.reserve(rows, [max(1, int(n * frac)) for n in seq])
     rows_t, pre_t = torch.tensor(rows), torch.tensor(prefix_lens)
     slots = pool.slots_for(rows_t, torch.zeros_like(pre_t), pre_t)
+    cgen = torch.Generator("cuda").manual_seed(int(torch.randint(0, 1 << 30, (1,), generator=gen)))
     for layer_id in range(num_layers):
         n = slots.numel()
         pool.write(
             layer_id, slots,
-            torch.randn(n, hkv, d, generator=gen).cuda(), torch.randn(n, hkv, d, generator=gen).cuda(),
+            torch.randn(n, hkv, d, device="cuda", generator=cgen),
+            torch.randn(n, hkv, d, device="cuda", generator=cgen),
         )
     ref_pool = copy.copy(pool)
     ref_pool.k_buffers = [b.float() for b in pool.k_buffers]
@@ -102,9 +104,9 @@ def make_step(gen, *, dtype, hq, hkv, d, page_size, prefix_lens, extend_lens, mo
     ref_pool.dtype = torch.float32
     t = sum(extend_lens)
     batch = ForwardBatch.build(pool, rows, prefix_lens, extend_lens, torch.zeros(t, dtype=torch.long), mode=mode)
-    q = torch.randn(t, hq, d, generator=gen).to("cuda", dtype)
-    k = torch.randn(t, hkv, d, generator=gen).to("cuda", dtype)
-    v = torch.randn(t, hkv, d, generator=gen).to("cuda", dtype)
+    q = torch.randn(t, hq, d, device="cuda", generator=cgen).to(dtype)
+    k = torch.randn(t, hkv, d, device="cuda", generator=cgen).to(dtype)
+    v = torch.randn(t, hkv, d, device="cuda", generator=cgen).to(dtype)
     return Step(pool, batch, q, k, v, ref_pool)
 
 
@@ -114,32 +116,39 @@ def reference(step: Step, layer: AttentionLayer, q=None, k=None, v=None):
     return TorchNativeBackend().forward(q.float(), k.float(), v.float(), layer, batch, save_kv_cache=True)
 
 
-def sample_cases(mode: str, n_per_variant: int = 1, seed: int = 0):
+def sample_cases(mode: str, seed: int = 0):
+    """One case per prebuilt variant. Batch size, GQA group and page size cycle (with a
+    per-mode shift) so that each value meets several variants; lengths are random, one of
+    them an exact multiple of 16 (a full last page)."""
     rng = random.Random(f"{mode}-{seed}")
+    shift = {"decode": 0, "extend": 1, "extend_prefix": 2}[mode] + seed
     cases = []
-    for dtype, d, window, cap in PREBUILT:
-        for _ in range(n_per_variant):
-            group = rng.choice([1, 4, 8])
-            hkv = rng.choice([2, 4, 8]) if group < 8 else rng.choice([1, 2, 4])
-            page_size = rng.choice([1, 16])
-            if mode == "decode":
-                bsz = rng.choice([1, 5, 16, 64])
-                seq = [rng.randint(2, 4096) for _ in range(bsz)]
-                prefix, ext = [s - 1 for s in seq], [1] * bsz
+    for idx, (dtype, d, window, cap) in enumerate(PREBUILT):
+        i = idx + shift
+        group = (1, 4, 8)[i % 3]
+        hkv = (8, 2, 4, 1)[i % 4] if group == 8 else (2, 4, 8)[i % 3]
+        page_size = (16, 1)[(i // 2) % 2]
+        if mode == "decode":
+            bsz = (64, 1, 16, 5)[i % 4]
+            seq = [rng.randint(2, 4096) for _ in range(bsz)]
+            seq[-1] = 16 * rng.randint(1, 256)
+            prefix, ext = [s - 1 for s in seq], [1] * bsz
+        else:
+            bsz = (8, 1, 3)[i % 3]
+            ext = [rng.randint(1, 700) for _ in range(bsz)]
+            if mode == "extend_prefix":
+                prefix = [rng.choice([0, rng.randint(1, 3000)]) for _ in range(bsz)]
+                prefix[0] = max(prefix[0], 17)
             else:
-                bsz = rng.choice([1, 3, 8])
-                ext = [rng.randint(1, 700) for _ in range(bsz)]
-                with_prefix = mode == "extend_prefix"
-                prefix = [rng.choice([0, rng.randint(1, 3000)]) if with_prefix else 0 for _ in range(bsz)]
-                if with_prefix:
-                    prefix[0] = max(prefix[0], 17)
-            cases.append(dict(
-                dtype=dtype, d=d, hq=hkv * group, hkv=hkv, page_size=page_size,
-                prefix=prefix, ext=ext,
-                window=rng.choice([7, 100, 1000]) if window else -1,
-                cap=rng.choice([20.0, 50.0]) if cap else 0.0,
-                scale=rng.choice([1 / math.sqrt(d), 0.05]),
-            ))
+                prefix = [0] * bsz
+            ext[-1] += -(prefix[-1] + ext[-1]) % 16
+        cases.append(dict(
+            dtype=dtype, d=d, hq=hkv * group, hkv=hkv, page_size=page_size,
+            prefix=prefix, ext=ext,
+            window=rng.choice([7, 100, 1000]) if window else -1,
+            cap=rng.choice([20.0, 50.0]) if cap else 0.0,
+            scale=rng.choice([1 / math.sqrt(d), 0.05]),
+        ))
     return cases
 
 
