@@ -32,9 +32,10 @@ class CompileConfig:
         Override the backend for prefill (EXTEND/MIXED) or DECODE steps only; when they differ
         a `HybridBackend` routes by mode. ``None`` inherits ``attention_backend``.
     cuda_graph:
-        ``"none"``, ``"piecewise"`` (static pieces between attention ops are captured per
-        batch size), ``"full"`` (whole decode step captured), or ``"auto"`` (piecewise on CUDA,
-        none on CPU).
+        ``"none"``, ``"full"`` (each decode step captured whole, attention included, per padded
+        batch size), ``"piecewise"`` (reserved: static pieces between attention ops; not
+        implemented yet, rejected by `accelerate`), or ``"auto"`` (full when the backend can
+        capture decode attention on CUDA, else none).
     cuda_graph_capture_sizes:
         Batch sizes (tokens for piecewise) captured; the real batch is padded up to the next one.
     page_size:
@@ -139,7 +140,7 @@ class CompileConfig:
     def resolved_cuda_graph(self, device_type: str) -> str:
         if device_type != "cuda":
             return "none"
-        return "piecewise" if self.cuda_graph == "auto" else self.cuda_graph
+        return self.cuda_graph
 
 
 def _check_int(value: Any, name: str, minimum: int) -> None:

@@ -137,6 +137,9 @@ class AttentionBackend:
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Preallocate every buffer a captured kernel reads (indptr, indices, split buffers)."""
 
+    def set_layer_kinds(self, layers: "list[AttentionLayer]") -> None:
+        """The model's attention layers, known once the model is traced (for per-kind planning)."""
+
     # ------------------------------------------------------------------ compute
     def forward(
         self,

@@ -53,6 +53,17 @@ class AttentionSite:
     lowered: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def as_layer(self):
+        """The static `AttentionLayer` the op is called with (constant scale and cap only)."""
+        from ..attn_backends.base import AttentionLayer
+
+        if self.scale is None or self.scale.runtime or isinstance(self.logit_cap, fx.Node):
+            raise ValueError(f"site {self.name} has a runtime scale or softcap")
+        return AttentionLayer(
+            self.layer_id, self.num_q_heads, self.num_kv_heads, self.head_dim, self.v_head_dim,
+            float(self.scale.constant), self.causal, self.window_left, float(self.logit_cap),
+        )
+
     def refuse(self, reason: str) -> "AttentionSite":
         self.lowerable = False
         self.reason = reason

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attn_backends.base import AttentionBackend, ModelAttentionSpec
+from ..attn_backends.base import AttentionBackend, GraphSupport, ModelAttentionSpec
 from ..attn_backends.torch_native import TorchNativeBackend
 from ..config import CompileConfig
-from ..errors import UnsupportedModelError
+from ..errors import ConfigError, UnsupportedModelError
 from ..passes.site import AttentionSite
 from .forward_batch import ForwardBatch
 from .forward_context import ForwardContext, use_forward_context
@@ -70,6 +70,7 @@ class ModelRunner:
         self.spec: ModelAttentionSpec | None = None
         self.backend: AttentionBackend | None = None
         self._reference = TorchNativeBackend()
+        self.graphs = None  # DecodeGraphRunner once captured
         self.ragged = RaggedModel(model, config)
         self.ragged.backend.on_sites = self._on_sites_checked
 
@@ -131,22 +132,50 @@ class ModelRunner:
         from ..attn_backends.hybrid import create_attention_backend
 
         self.backend = create_attention_backend(self.config, spec=self.spec)
+        self.backend.set_layer_kinds([s.as_layer() for s in sites])
         logger.info("attention backend: %s", type(self.backend).__name__)
 
     def warmup(self) -> None:
-        """Compile now (a 2-token dummy request) so errors surface at `accelerate` time."""
+        """Compile now (a 2-token dummy request, then a decode step) so errors surface at
+        `accelerate` time; then capture the decode CUDA graphs if the config asks for them."""
         row = self.pool.alloc_request()
         try:
-            self.pool.reserve([row], [2])
-            ids = torch.zeros(2, dtype=torch.long, device=self.device)
-            batch = ForwardBatch.build(self.pool, [row], [0], [2], ids)
-            self.forward(batch, batch.qo_indptr[1:].long() - 1)
+            self.pool.reserve([row], [3])
+            ids = torch.zeros(3, dtype=torch.long, device=self.device)
+            self.forward(ForwardBatch.build(self.pool, [row], [0], [2], ids[:2]))
+            self.forward(ForwardBatch.build(self.pool, [row], [2], [1], ids[2:]))  # the chosen backend
         finally:
             self.pool.free_request(row)
+        mode = self.config.resolved_cuda_graph(self.device.type)
+        if mode == "auto":
+            support = self.backend.capabilities.graph_support.get("decode", GraphSupport.NEVER)
+            mode = "full" if support >= GraphSupport.FULL else "none"
+        if mode == "piecewise":
+            raise ConfigError(
+                "cuda_graph='piecewise' is not implemented yet; use cuda_graph='full' (decode steps "
+                "captured whole) or 'none'"
+            )
+        if mode == "full":
+            support = self.backend.capabilities.graph_support.get("decode", GraphSupport.NEVER)
+            if support < GraphSupport.FULL:
+                raise ConfigError(
+                    f"cuda_graph='full' needs a backend that captures decode attention; "
+                    f"{type(self.backend).__name__} does not. Use attention_backend='flashinfer' or 'triton', "
+                    "or cuda_graph='none'"
+                )
+            from .cuda_graph import DecodeGraphRunner
+
+            self.graphs = DecodeGraphRunner(self, self.config.cuda_graph_capture_sizes, debug=bool(self.config.debug_dump_dir))
+            self.graphs.capture()
 
     # ------------------------------------------------------------------ step
-    def forward(self, batch: ForwardBatch, logits_indices: torch.Tensor) -> torch.Tensor:
-        """Run ``batch``; returns logits ``[len(logits_indices), vocab]`` of the given token rows."""
+    def forward(self, batch: ForwardBatch, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """Run ``batch``; returns logits ``[L, vocab]`` of the token rows ``logits_indices: [L]``
+        (default: the last new token of each request, ``L = batch_size``)."""
+        if logits_indices is None:
+            if self.graphs is not None and self.graphs.can_run(batch):
+                return self.graphs.replay(batch)
+            logits_indices = batch.qo_indptr[1:].long() - 1
         backend = self.backend or self._reference  # the reference serves the very first (tracing) call
         backend.init_forward_metadata(batch)
         with use_forward_context(ForwardContext(backend, batch)):
