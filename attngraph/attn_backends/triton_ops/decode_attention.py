@@ -32,15 +32,20 @@ logger = logging.getLogger(__name__)
 #: Stands for "no window": large enough to admit every key, small enough not to overflow int32.
 NO_WINDOW = 1 << 30
 #: Default shortest split (keys); shorter requests run in one split.
-DEFAULT_MIN_SPLIT_LEN = 64
+DEFAULT_MIN_SPLIT_LEN = 128
 
-_LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(1.4426950408889634)  # globals read by @jit code must be constexpr
 
 
 # ----------------------------------------------------------------------------- shared helpers
+# Triton decides at ``@triton.jit`` time (this module's import) whether kernels are interpreted.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when this module's kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``
+    was set when the module was imported)."""
+    return _INTERPRETED
 
 
 def dot_options(dtype: torch.dtype) -> tuple[bool, str]:
@@ -189,11 +194,12 @@ def _decode_stage2_kernel(
 
 
 # ----------------------------------------------------------------------------- launch
-def decode_block_n(head_dim: int, v_head_dim: int) -> int:
+def decode_block_n(head_dim: int, v_head_dim: int, dtype: torch.dtype) -> int:
     """Keys per block of stage 1 (also the split alignment)."""
     if interpreting():
         return 16  # small blocks: the CPU tests' short sequences still span several blocks
-    return 32 if max(head_dim, v_head_dim) > 128 else 64
+    # fp32 dots run without tensor cores ("ieee"): small tiles keep compile time and registers down.
+    return 32 if max(head_dim, v_head_dim) > 128 or dtype == torch.float32 else 64
 
 
 def decode_attention_fwd(
@@ -241,13 +247,15 @@ def decode_attention_fwd(
         raise ValueError(f"num_q_heads {hq} is not a multiple of num_kv_heads {hkv}")
     if partial_out.shape[2] < max_splits or partial_lse.shape[2] < max_splits:
         raise ValueError(f"partial buffers hold {partial_out.shape[2]} splits, need {max_splits}")
-    for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("out", out),
-                    ("partial_out", partial_out), ("partial_lse", partial_lse)):  # fmt: skip
-        check_last_dim_contiguous(name, t)
+    if 1 != q.stride(-1) or 1 != k_buffer.stride(-1) or 1 != v_buffer.stride(-1) or 1 != out.stride(-1) \
+            or 1 != partial_out.stride(-1) or 1 != partial_lse.stride(-1):  # fmt: skip
+        for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("out", out),
+                        ("partial_out", partial_out), ("partial_lse", partial_lse)):  # fmt: skip
+            check_last_dim_contiguous(name, t)
     if bsz == 0:
         return out
     group = hq // hkv
-    block_n = decode_block_n(d, dv)
+    block_n = decode_block_n(d, dv, q.dtype)
     block_dv = triton.next_power_of_2(dv)
     upcast, precision = dot_options(q.dtype)
     window = window_arg(window_left)

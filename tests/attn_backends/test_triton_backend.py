@@ -1,0 +1,363 @@
+"""The triton backend against the torch_native reference.
+
+Without CUDA the kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``, set here
+before Triton is imported) on tiny shapes; with CUDA the same tests run natively, plus a
+sampled sweep of realistic shapes (``@pytest.mark.gpu``).
+
+Every test uses fresh random data, poisons the KV pages that no request may read (NaN), and
+runs with ``torch.utils.deterministic.fill_uninitialized_memory`` so every ``torch.empty`` the
+backend allocates (outputs, split buffers) starts as NaN: a value the kernels fail to write,
+or a slot they read but should not, shows up as NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import os
+import random
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+pytest.importorskip("triton")
+
+from attngraph.attn_backends.triton_ops import decode_attention, extend_attention  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(decode_attention._decode_stage1_kernel, InterpretedFunction):
+        # Another test module imported the kernels before the variable was set: rebuild them.
+        import attngraph.attn_backends.triton_backend as _tb
+        import attngraph.attn_backends.triton_ops as _ops
+
+        for _mod in (decode_attention, extend_attention, _ops, _tb):
+            importlib.reload(_mod)
+
+from attngraph.attn_backends import registry  # noqa: E402
+from attngraph.attn_backends.base import AttentionLayer, ModelAttentionSpec  # noqa: E402
+from attngraph.attn_backends.torch_native import TorchNativeBackend  # noqa: E402
+from attngraph.attn_backends.triton_backend import TritonBackend  # noqa: E402
+from attngraph.errors import BackendUnavailableError  # noqa: E402
+from attngraph.runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from attngraph.runtime.kv_pool import KVPool  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def _poison_empty():
+    """``torch.empty`` returns NaN-filled tensors for the duration of a test."""
+    was_on = torch.are_deterministic_algorithms_enabled()
+    was_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    was_fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    yield
+    torch.utils.deterministic.fill_uninitialized_memory = was_fill
+    torch.use_deterministic_algorithms(was_on, warn_only=was_warn)
+
+
+# ----------------------------------------------------------------------------- helpers
+def make_step(prefix_lens, extend_lens, *, hq, hkv, d, page_size, dtype, dv=None, mode=None, num_layers=1, seed=0):
+    """A pool whose prefix slots hold random K/V (every other slot NaN), a batch, and new q/k/v."""
+    gen = torch.Generator().manual_seed(seed)
+    dv = dv or d
+    total = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    num_pages = sum(math.ceil(t / page_size) for t in total) + 3
+    pool = KVPool(num_layers, hkv, d, num_pages, page_size, dtype, DEVICE, max_requests=len(total) + 2,
+                  max_context_len=max(total) + page_size, v_head_dim=dv)  # fmt: skip
+    for buf in pool.k_buffers + pool.v_buffers:
+        buf.fill_(float("nan"))
+    # Take a spare row first so request rows are not simply 0..B-1.
+    spare = pool.alloc_request()
+    rows = [pool.alloc_request() for _ in total]
+    pool.free_request(spare)
+    pool.reserve(rows, total)
+    for layer_id in range(num_layers):
+        kflat = pool.k_buffers[layer_id].view(-1, hkv, d)
+        vflat = pool.v_buffers[layer_id].view(-1, hkv, dv)
+        for row, p in zip(rows, prefix_lens):
+            if p == 0:
+                continue
+            pos = torch.arange(p)
+            slots = (pool.req_to_page_cpu[row, pos // page_size].long() * page_size + pos % page_size).to(DEVICE)
+            kflat[slots] = torch.randn(p, hkv, d, generator=gen).to(DEVICE, dtype)
+            vflat[slots] = torch.randn(p, hkv, dv, generator=gen).to(DEVICE, dtype)
+    n = sum(extend_lens)
+    batch = ForwardBatch.build(pool, rows, list(prefix_lens), list(extend_lens), torch.zeros(n, dtype=torch.long), mode=mode)
+    q = torch.randn(n, hq, d, generator=gen).to(DEVICE, dtype)
+    k = torch.randn(n, hkv, d, generator=gen).to(DEVICE, dtype)
+    v = torch.randn(n, hkv, dv, generator=gen).to(DEVICE, dtype)
+    return pool, batch, q, k, v
+
+
+def layer_for(hq, hkv, d, *, dv=None, causal=True, window_left=-1, logit_cap=0.0, layer_id=0):
+    return AttentionLayer(layer_id, hq, hkv, d, dv or d, d**-0.5, causal, window_left, logit_cap)
+
+
+def reference(q, layer, batch):
+    """torch_native in fp32 over the pool as it is (the new K/V already written)."""
+    return TorchNativeBackend().forward(q.float(), None, None, layer, batch, save_kv_cache=False)
+
+
+def run_and_check(backend, q, k, v, layer, batch):
+    backend.init_forward_metadata(batch)
+    out = backend.forward(q, k, v, layer, batch)  # appends k/v to the pool first
+    ref = reference(q, layer, batch)
+    assert out.shape == ref.shape and out.dtype == q.dtype
+    assert not torch.isnan(out).any(), "kernel left NaN (unwritten output or a poisoned slot read)"
+    tol = TOL[q.dtype]
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    return out
+
+
+# ----------------------------------------------------------------------------- extend (CPU-sized)
+# (prefix_lens, extend_lens, hq, hkv, d, page_size, causal, window_left, logit_cap, dtype)
+EXTEND_CASES = [
+    pytest.param([0], [7], 2, 2, 16, 1, True, -1, 0.0, torch.float32, id="no-prefix-p1-mha"),
+    pytest.param([5, 0, 13], [3, 9, 1], 8, 2, 32, 4, True, -1, 0.0, torch.float32, id="prefix-p4-gqa4"),
+    pytest.param([11, 2], [21, 6], 4, 4, 16, 4, True, 5, 0.0, torch.float32, id="window-p4"),
+    # Windows wider than a key block: some key blocks are seen in full, others partly.
+    pytest.param([30, 3], [40, 25], 2, 1, 16, 4, True, 19, 0.0, torch.float32, id="wide-window"),
+    pytest.param([22, 0], [37, 41], 2, 2, 16, 16, False, 18, 0.0, torch.float32, id="noncausal-wide-window"),
+    pytest.param([20], [19], 4, 1, 32, 16, True, -1, 4.0, torch.float32, id="softcap-p16-mqa"),
+    pytest.param([6, 0], [10, 17], 8, 2, 16, 3, True, 4, 2.5, torch.float32, id="window-softcap-p3"),
+    pytest.param([3, 9], [14, 5], 4, 2, 16, 4, False, -1, 0.0, torch.float32, id="noncausal"),
+    pytest.param([9, 0], [12, 18], 4, 1, 16, 1, False, 3, 3.0, torch.float32, id="noncausal-window-softcap"),
+    pytest.param([7], [13], 4, 2, 24, 4, True, -1, 0.0, torch.float32, id="head-dim-24"),
+    pytest.param([10, 1], [9, 22], 8, 2, 32, 4, True, -1, 0.0, torch.float16, id="fp16"),
+    pytest.param([10, 1], [9, 22], 8, 2, 32, 16, True, 7, 5.0, torch.bfloat16, id="bf16-window-softcap"),
+]
+
+
+@pytest.mark.parametrize("prefix,extend,hq,hkv,d,page_size,causal,window,cap,dtype", EXTEND_CASES)
+def test_extend_matches_reference(prefix, extend, hq, hkv, d, page_size, causal, window, cap, dtype):
+    pool, batch, q, k, v = make_step(prefix, extend, hq=hq, hkv=hkv, d=d, page_size=page_size, dtype=dtype)
+    assert batch.mode is ForwardMode.EXTEND
+    layer = layer_for(hq, hkv, d, causal=causal, window_left=window, logit_cap=cap)
+    run_and_check(TritonBackend(), q, k, v, layer, batch)
+
+
+@pytest.mark.parametrize("causal,window", [(True, -1), (True, 17), (False, 16)])
+def test_extend_every_alignment(causal, window):
+    """Prefixes 0..16 in one batch: the query blocks meet key blocks at every offset."""
+    prefix = list(range(17))
+    extend = [17 + i % 5 for i in prefix]
+    pool, batch, q, k, v = make_step(prefix, extend, hq=1, hkv=1, d=16, page_size=4, dtype=torch.float32)
+    run_and_check(TritonBackend(), q, k, v, layer_for(1, 1, 16, causal=causal, window_left=window), batch)
+
+
+def test_extend_reads_new_tokens_back_from_pool():
+    """With save_kv_cache=False the kernel must use what is in the pool, not the k/v arguments."""
+    pool, batch, q, k, v = make_step([4], [6], hq=2, hkv=1, d=16, page_size=4, dtype=torch.float32)
+    layer = layer_for(2, 1, 16)
+    pool.write(0, batch.out_cache_loc, k, v)
+    backend = TritonBackend()
+    backend.init_forward_metadata(batch)
+    out = backend.forward(q, torch.zeros_like(k), torch.zeros_like(v), layer, batch, save_kv_cache=False)
+    torch.testing.assert_close(out, reference(q, layer, batch), atol=2e-5, rtol=2e-5)
+
+
+def test_mixed_mode_and_idle():
+    pool, batch, q, k, v = make_step([6, 0], [1, 5], hq=4, hkv=2, d=16, page_size=4, dtype=torch.float32,
+                                     mode=ForwardMode.MIXED)  # fmt: skip
+    run_and_check(TritonBackend(), q, k, v, layer_for(4, 2, 16), batch)
+    idle = ForwardBatch.build(pool, [], [], [], torch.zeros(0, dtype=torch.long))
+    out = TritonBackend().forward(q[:0], k[:0], v[:0], layer_for(4, 2, 16), idle)
+    assert out.shape == (0, 4, 16)
+
+
+def test_two_layers_share_step_buffers():
+    pool, batch, q, k, v = make_step([5, 12], [1, 1], hq=4, hkv=2, d=16, page_size=4, dtype=torch.float32,
+                                     num_layers=2)  # fmt: skip
+    assert batch.mode is ForwardMode.DECODE
+    backend = TritonBackend(min_split_len=4)
+    for layer_id in (0, 1):
+        layer = layer_for(4, 2, 16, layer_id=layer_id, window_left=3 * layer_id - 1)
+        run_and_check(backend, q, k, v, layer, batch)
+
+
+# ----------------------------------------------------------------------------- decode (CPU-sized)
+# (seq_lens, hq, hkv, d, page_size, window_left, logit_cap, dtype, min_split_len, max_kv_splits)
+DECODE_CASES = [
+    pytest.param([1, 7, 30], 2, 2, 16, 1, -1, 0.0, torch.float32, 64, 16, id="p1-mha-one-split"),
+    pytest.param([5, 33, 50], 8, 2, 32, 4, -1, 0.0, torch.float32, 8, 4, id="p4-gqa4-splits"),
+    pytest.param([70, 3], 8, 1, 16, 16, -1, 0.0, torch.float32, 16, 16, id="p16-gqa8-splits"),
+    pytest.param([45, 9, 2], 4, 4, 16, 4, 6, 0.0, torch.float32, 8, 8, id="window"),
+    pytest.param([41, 18], 4, 1, 32, 4, -1, 3.0, torch.float32, 8, 8, id="softcap"),
+    pytest.param([57], 8, 2, 24, 3, 20, 2.0, torch.float32, 8, 3, id="head-dim-24-window-softcap"),
+    pytest.param([39, 6], 8, 2, 32, 4, -1, 0.0, torch.float16, 8, 4, id="fp16"),
+    pytest.param([39, 6], 8, 2, 32, 16, 9, 4.0, torch.bfloat16, 8, 4, id="bf16-window-softcap"),
+]
+
+
+@pytest.mark.parametrize("seq_lens,hq,hkv,d,page_size,window,cap,dtype,min_split,max_splits", DECODE_CASES)
+def test_decode_matches_reference(seq_lens, hq, hkv, d, page_size, window, cap, dtype, min_split, max_splits):
+    prefix = [s - 1 for s in seq_lens]
+    pool, batch, q, k, v = make_step(prefix, [1] * len(seq_lens), hq=hq, hkv=hkv, d=d, page_size=page_size,
+                                     dtype=dtype, mode=ForwardMode.DECODE)  # fmt: skip
+    backend = TritonBackend(min_split_len=min_split, max_kv_splits=max_splits)
+    run_and_check(backend, q, k, v, layer_for(hq, hkv, d, window_left=window, logit_cap=cap), batch)
+
+
+def test_decode_noncausal_equals_causal():
+    pool, batch, q, k, v = make_step([12, 30], [1, 1], hq=4, hkv=2, d=16, page_size=4, dtype=torch.float32)
+    backend = TritonBackend(min_split_len=8)
+    run_and_check(backend, q, k, v, layer_for(4, 2, 16, causal=False, window_left=5), batch)
+
+
+def test_deterministic_is_batch_invariant():
+    """deterministic=True: one request gives bit-identical output alone or among others."""
+    hq, hkv, d = 4, 2, 16
+    pool, batch, q, k, v = make_step([40, 3, 17], [1, 1, 1], hq=hq, hkv=hkv, d=d, page_size=4, dtype=torch.float32)
+    layer = layer_for(hq, hkv, d)
+    backend = TritonBackend(deterministic=True, min_split_len=8, max_kv_splits=4)
+    assert backend.decode_max_splits(1, hkv, q.device) == backend.decode_max_splits(64, hkv, q.device) == 4
+    together = run_and_check(backend, q, k, v, layer, batch)
+    rows = batch.req_pool_indices.tolist()
+    alone = ForwardBatch.build(pool, rows[:1], [40], [1], torch.zeros(1, dtype=torch.long))
+    out = backend.forward(q[:1], k[:1], v[:1], layer, alone, save_kv_cache=False)
+    assert torch.equal(out, together[:1])
+
+
+def test_cuda_graph_state_buffers_are_used():
+    hq, hkv, d = 8, 2, 32
+    spec = ModelAttentionSpec(num_layers=1, num_q_heads=hq, num_kv_heads=hkv, head_dims=(d,), dtype=torch.float32,
+                              device_type=DEVICE, page_size=4)  # fmt: skip
+    backend = TritonBackend(spec, min_split_len=8)
+    backend.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+    base_ptr = backend._graph_part_o.data_ptr()
+    pool, batch, q, k, v = make_step([30, 9, 21], [1, 1, 1], hq=hq, hkv=hkv, d=d, page_size=4, dtype=torch.float32)
+    part_o, _ = backend._partials(3, hq, backend.decode_max_splits(3, hkv, q.device), d, q.device)
+    assert part_o.data_ptr() == base_ptr
+    run_and_check(backend, q, k, v, layer_for(hq, hkv, d), batch)
+
+
+# ----------------------------------------------------------------------------- dense (stateless)
+@pytest.mark.parametrize(
+    "b,sq,sk,causal,window,cap",
+    [(2, 9, 9, True, -1, 0.0), (3, 5, 21, True, 6, 0.0), (2, 11, 11, False, -1, 2.0), (1, 4, 17, False, 3, 0.0)],
+)
+def test_dense_matches_reference(b, sq, sk, causal, window, cap):
+    hq, hkv, d = 4, 2, 16
+    gen = torch.Generator().manual_seed(b * 100 + sq)
+    q = torch.randn(b * sq, hq, d, generator=gen).to(DEVICE)
+    k = torch.randn(b * sk, hkv, d, generator=gen).to(DEVICE)
+    v = torch.randn(b * sk, hkv, d, generator=gen).to(DEVICE)
+    layer = layer_for(hq, hkv, d, causal=causal, window_left=window, logit_cap=cap)
+    out = TritonBackend().forward_dense(q, k, v, layer, b)
+    ref = TorchNativeBackend().forward_dense(q, k, v, layer, b)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+# ----------------------------------------------------------------------------- contract
+def test_registry_and_capabilities():
+    assert registry.get_backend_class("triton") is TritonBackend
+    spec = ModelAttentionSpec(num_layers=2, num_q_heads=32, num_kv_heads=8, head_dims=(128,), dtype=torch.bfloat16,
+                              device_type="cuda", page_size=16, uses_window=True, uses_logit_cap=True)  # fmt: skip
+    assert TritonBackend.capabilities.why_not(spec) is None
+    assert TritonBackend.capabilities.why_not(dataclasses.replace(spec, device_type="cpu")) is not None
+
+
+def test_cpu_without_interpreter_is_refused(monkeypatch):
+    monkeypatch.setattr(importlib.import_module(TritonBackend.__module__), "interpreting", lambda: False)
+    q = torch.zeros(2, 2, 16)
+    with pytest.raises(BackendUnavailableError, match="torch_native"):
+        TritonBackend().forward_dense(q, q, q, layer_for(2, 2, 16), 1)
+
+
+# ----------------------------------------------------------------------------- GPU sweep
+def _sweep_configs(n, seed):
+    """``n`` configurations sampled from the grid; the first two are batch 1 and batch 64."""
+    rng = random.Random(seed)
+    for i in range(n):
+        bsz = (1, 64)[i] if i < 2 else rng.choice([2, 5, 16, 33, 64])
+        max_len = rng.choice([64, 700, 4096]) if bsz <= 16 else rng.choice([64, 700])
+        hkv = rng.choice([1, 2, 8])
+        group = rng.choice([1, 4, 8])
+        yield dict(
+            bsz=bsz, hq=hkv * group, hkv=hkv, d=rng.choice([64, 128]), page_size=rng.choice([1, 16]),
+            dtype=rng.choice([torch.bfloat16, torch.float16]),
+            window=rng.choice([-1, -1, rng.randint(0, max_len // 2)]), cap=rng.choice([0.0, 0.0, 2.0, 30.0]),
+            max_len=max_len, seed=seed * 1000 + i,
+        )  # fmt: skip
+
+
+def _cfg_id(c):
+    return "b{bsz}-h{hq}/{hkv}-d{d}-p{page_size}-L{max_len}-w{window}-c{cap:g}".format(**c)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", list(_sweep_configs(10, 1)), ids=_cfg_id)
+def test_gpu_decode_sweep(cfg):
+    rng = random.Random(cfg["seed"])
+    seq_lens = [rng.randint(1, cfg["max_len"]) for _ in range(cfg["bsz"])]
+    seq_lens[0] = cfg["max_len"] - 1 if cfg["max_len"] > 1 else 1  # one long, non page-aligned
+    pool, batch, q, k, v = make_step([s - 1 for s in seq_lens], [1] * cfg["bsz"], hq=cfg["hq"], hkv=cfg["hkv"],
+                                     d=cfg["d"], page_size=cfg["page_size"], dtype=cfg["dtype"],
+                                     mode=ForwardMode.DECODE, seed=cfg["seed"])  # fmt: skip
+    layer = layer_for(cfg["hq"], cfg["hkv"], cfg["d"], window_left=cfg["window"], logit_cap=cfg["cap"])
+    run_and_check(TritonBackend(), q, k, v, layer, batch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", list(_sweep_configs(10, 2)), ids=_cfg_id)
+def test_gpu_extend_sweep(cfg):
+    rng = random.Random(cfg["seed"])
+    budget = 16384 // cfg["bsz"]  # new tokens per request, to bound the reference's cost
+    total = [rng.randint(1, min(cfg["max_len"], budget)) for _ in range(cfg["bsz"])]
+    extend = [rng.randint(1, t) for t in total]
+    prefix = [t - e for t, e in zip(total, extend)]
+    pool, batch, q, k, v = make_step(prefix, extend, hq=cfg["hq"], hkv=cfg["hkv"], d=cfg["d"],
+                                     page_size=cfg["page_size"], dtype=cfg["dtype"], seed=cfg["seed"])  # fmt: skip
+    causal = rng.random() < 0.8
+    layer = layer_for(cfg["hq"], cfg["hkv"], cfg["d"], causal=causal, window_left=cfg["window"], logit_cap=cfg["cap"])
+    run_and_check(TritonBackend(), q, k, v, layer, batch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,dtype", [(256, torch.bfloat16), (80, torch.float16), (128, torch.float32)])
+def test_gpu_other_head_dims_and_fp32(d, dtype):
+    pool, batch, q, k, v = make_step([300, 0, 1000], [17, 260, 1], hq=8, hkv=2, d=d, page_size=16, dtype=dtype)
+    run_and_check(TritonBackend(), q, k, v, layer_for(8, 2, d, window_left=256, logit_cap=20.0), batch)
+    pool, batch, q, k, v = make_step([300, 2047, 5], [1, 1, 1], hq=8, hkv=2, d=d, page_size=16, dtype=dtype)
+    run_and_check(TritonBackend(), q, k, v, layer_for(8, 2, d), batch)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_cuda_graph_replay():
+    """Decode captured once, replayed with other lengths after refreshing the batch in place."""
+    hq, hkv, d, bsz = 32, 8, 128, 8
+    spec = ModelAttentionSpec(num_layers=1, num_q_heads=hq, num_kv_heads=hkv, head_dims=(d,), dtype=torch.bfloat16,
+                              device_type="cuda", page_size=16)  # fmt: skip
+    backend = TritonBackend(spec)
+    backend.init_cuda_graph_state(max_bs=bsz, max_num_tokens=bsz)
+    layer = layer_for(hq, hkv, d)
+    lens_a = [100, 2000, 7, 513, 64, 1, 3000, 40]
+    pool, batch, q, k, v = make_step([s - 1 for s in lens_a], [1] * bsz, hq=hq, hkv=hkv, d=d, page_size=16,
+                                     dtype=torch.bfloat16, mode=ForwardMode.DECODE)  # fmt: skip
+    backend.init_forward_metadata(batch)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backend.forward(q, k, v, layer, batch)  # warm up (compiles the kernels)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(q, k, v, layer, batch, save_kv_cache=False)
+    # Shorter lengths over the same pages, written in place into the captured tensors.
+    lens_b = [s // 2 + 1 for s in lens_a]
+    batch.seq_lens.copy_(torch.tensor(lens_b, dtype=torch.int32))
+    batch.seq_lens_cpu.copy_(torch.tensor(lens_b, dtype=torch.int32))
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), reference(q, layer, batch), atol=2e-2, rtol=2e-2)
