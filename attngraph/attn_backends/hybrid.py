@@ -153,11 +153,12 @@ def create_attention_backend(
     ``attention_backend`` is a registered name or ``"auto"``; it may also be a config-like
     object (a `CompileConfig`) carrying the three fields, in which case the other two
     arguments must be left out. ``None`` for the prefill or decode name inherits
-    ``attention_backend``. Names are resolved (``"auto"`` included) before comparing, so
+    ``attention_backend``. A config's ``deterministic`` goes to backends that take it. Names are resolved (``"auto"`` included) before comparing, so
     ``("auto", decode="flashinfer")`` on a machine where auto picks FlashInfer gives one
     backend. Raises `BackendUnavailableError` naming the alternatives when a name cannot serve
     ``spec``.
     """
+    options = {}
     if not isinstance(attention_backend, str):
         cfg = attention_backend
         if prefill_attention_backend is not None or decode_attention_backend is not None:
@@ -165,9 +166,12 @@ def create_attention_backend(
         attention_backend = cfg.attention_backend
         prefill_attention_backend = getattr(cfg, "prefill_attention_backend", None)
         decode_attention_backend = getattr(cfg, "decode_attention_backend", None)
+        options["deterministic"] = bool(getattr(cfg, "deterministic", False))
     prefill_name = resolve_backend_name(prefill_attention_backend or attention_backend, spec)
     decode_name = resolve_backend_name(decode_attention_backend or attention_backend, spec)
     if prefill_name == decode_name:
-        return create_backend(prefill_name, spec)
+        return create_backend(prefill_name, spec, **options)
     logger.info("attention: %s for prefill, %s for decode", prefill_name, decode_name)
-    return HybridBackend(create_backend(prefill_name, spec), create_backend(decode_name, spec), spec)
+    return HybridBackend(
+        create_backend(prefill_name, spec, **options), create_backend(decode_name, spec, **options), spec
+    )

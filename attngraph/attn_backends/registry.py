@@ -8,7 +8,8 @@ Factories import their heavy dependency (FlashInfer, Triton) only when called, s
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+import inspect
+from typing import Any, Callable
 
 import torch
 
@@ -81,9 +82,15 @@ def resolve_backend_name(name: str, spec: ModelAttentionSpec) -> str:
     return name
 
 
-def create_backend(name: str, spec: ModelAttentionSpec) -> AttentionBackend:
-    """Instantiate backend ``name`` (or ``"auto"``) for ``spec``."""
-    return get_backend_class(resolve_backend_name(name, spec))(spec)
+def create_backend(name: str, spec: ModelAttentionSpec, **options: Any) -> AttentionBackend:
+    """Instantiate backend ``name`` (or ``"auto"``) for ``spec``.
+
+    ``options`` (e.g. ``deterministic=True``) go to the constructor of backends that accept
+    them; a backend without such a parameter ignores the option.
+    """
+    cls = get_backend_class(resolve_backend_name(name, spec))
+    accepted = inspect.signature(cls.__init__).parameters
+    return cls(spec, **{k: v for k, v in options.items() if k in accepted})
 
 
 def _lazy(module: str, attr: str, install_hint: str | None = None) -> BackendFactory:

@@ -73,9 +73,16 @@ def accelerate(model: torch.nn.Module, config: CompileConfig | None = None, **op
     state = AcceleratedState(model, cfg)
     state.runner.warmup()
     object.__setattr__(model, _STATE_ATTR, state)
-    model.forward = functools.partial(_forward, model)
-    model.generate = functools.partial(_generate, model)
+    model.forward = _bind(_forward, model, state.original_forward)
+    model.generate = _bind(_generate, model, state.original_generate)
     return model
+
+
+def _bind(fn, model: torch.nn.Module, original):
+    """``fn`` bound to ``model``, showing ``original``'s signature: transformers inspects
+    ``forward``'s parameters (``logits_to_keep``, the cache's name) to decide what to pass."""
+    bound = functools.partial(fn, model)
+    return functools.update_wrapper(bound, original)
 
 
 def restore(model: torch.nn.Module) -> torch.nn.Module:

@@ -104,8 +104,9 @@ class PagedCache(Cache):
         self.pool.reserve(self.rows, new_lens)  # all or nothing: raises KVCacheFullError before writing
         flat_ids = input_ids[valid]  # [T], request-major
         batch = ForwardBatch.build(self.pool, self.rows, list(self.lengths), counts, flat_ids)
-        if isinstance(logits_to_keep, int) and logits_to_keep == 1:
-            logits = self.runner.forward(batch)[:, None]  # [B, 1, V]: each request's last new token
+        if (isinstance(logits_to_keep, int) and logits_to_keep == 1) or (seq == 1 and batch.num_tokens == bsz):
+            # Each request's last new token (a decode step: every row one token): [B, 1, V].
+            logits = self.runner.forward(batch)[:, None]
         else:
             all_rows = torch.arange(batch.num_tokens, device=flat_ids.device)
             flat = self.runner.forward(batch, all_rows)  # [T, V]
