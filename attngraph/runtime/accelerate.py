@@ -19,6 +19,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..config import CompileConfig
 from ..errors import AttnGraphError, UnsupportedModelError
+from .decode_loop import paged_sample
 from .model_runner import ModelRunner
 from .paged_cache import PagedCache
 
@@ -122,6 +123,8 @@ def _check_generate_options(model: torch.nn.Module, state: AcceleratedState, kwa
     for name in ("cache", "past_key_values"):
         if kwargs.get(name) is not None:
             problems.append(f"a user-supplied {name} (the accelerated generate manages its own paged cache)")
+    if kwargs.get("custom_generate") is not None:
+        problems.append("custom_generate (attngraph supplies its own decoding loop)")
     if opt("cache_implementation") is not None:
         problems.append(f"cache_implementation={opt('cache_implementation')!r}")
     if problems:
@@ -138,9 +141,23 @@ def _generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     with state.lock:  # one generate at a time per model: the runner's step state is shared
         cache = PagedCache(state.runner)
         try:
-            return state.original_generate(*args, **{state.cache_kwarg: cache}, **kwargs)
+            # HF prepares everything, then runs attngraph's decoding loop (it falls back to
+            # HF's own loop for streamers, return_dict_in_generate, custom stopping criteria).
+            loop = {"custom_generate": paged_sample} if _own_loop_applies(model, kwargs) else {}
+            return state.original_generate(*args, **{state.cache_kwarg: cache}, **loop, **kwargs)
         finally:
             cache.free()
+
+
+def _own_loop_applies(model: torch.nn.Module, kwargs: dict) -> bool:
+    """attngraph's decoding loop serves the call unless it streams, returns a dict, or brings
+    its own stopping criteria (then HF's loop runs, still on the paged runtime)."""
+    gen_cfg = kwargs.get("generation_config") or model.generation_config
+    if kwargs.get("streamer") is not None or kwargs.get("stopping_criteria") or kwargs.get("stop_strings"):
+        return False
+    if kwargs.get("max_time", getattr(gen_cfg, "max_time", None)) is not None:
+        return False
+    return not kwargs.get("return_dict_in_generate", getattr(gen_cfg, "return_dict_in_generate", False))
 
 
 def _forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -13,7 +13,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..errors import AttnGraphError
-from .forward_batch import ForwardBatch
+from .forward_batch import ForwardBatch, ForwardMode
 from .kv_pool import KVPool
 
 
@@ -80,6 +80,26 @@ class PagedCache(Cache):
         self.lengths = [0] * batch_size
 
     # ------------------------------------------------------------------ one step
+    def decode_step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One new token per sequence, ``tokens: [B]`` on the device (never read on the host).
+
+        Lengths are known on the host, so the batch is built without a device sync.
+        Returns logits ``[B, 1, vocab]``.
+        """
+        bsz = len(self.rows)
+        if tokens.shape != (bsz,):
+            raise ValueError(f"decode_step needs one token per sequence ({bsz}), got shape {tuple(tokens.shape)}")
+        new_lens = [n + 1 for n in self.lengths]
+        self.pool.reserve(self.rows, new_lens)
+        batch = ForwardBatch.build(
+            self.pool, self.rows, list(self.lengths), [1] * bsz, tokens,
+            positions=torch.tensor(self.lengths, dtype=torch.int64), mode=ForwardMode.DECODE,
+        )
+        logits = self.runner.forward(batch)[:, None]
+        self.lengths = new_lens
+        self.columns += 1
+        return logits
+
     def step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
         """Run the new tokens ``input_ids: [B, S]`` (``attention_mask: [B, past + S]``, 0 = pad).
 
