@@ -142,3 +142,39 @@ class ForwardBatch:
             out_cache_loc=out_cache_loc,
             kv_pool=kv_pool,
         )
+
+    @classmethod
+    def decode(cls, kv_pool: "KVPool", req_pool_indices: list[int], prefix_lens: list[int], input_ids: torch.Tensor) -> "ForwardBatch":
+        """A DECODE batch (one new token per request after ``prefix_lens`` cached ones), built
+        with plain host arithmetic and two host-to-device copies: the per-step hot path.
+
+        ``input_ids: [B]`` may stay on the device (it is never read on the host).
+        """
+        ps = kv_pool.page_size
+        table = kv_pool.req_to_page_cpu
+        bsz = len(req_pool_indices)
+        slots = [int(table[r, n // ps]) * ps + n % ps for r, n in zip(req_pool_indices, prefix_lens)]
+        seq = [n + 1 for n in prefix_lens]
+        # int32 fields packed: req_pool_indices | seq_lens | extend (ones) | prefix | qo_indptr
+        ints = torch.tensor(
+            req_pool_indices + seq + [1] * bsz + list(prefix_lens) + list(range(bsz + 1)), dtype=torch.int32
+        )
+        longs = torch.tensor(list(prefix_lens) + slots, dtype=torch.int64)  # positions | out_cache_loc
+        ints_d = ints.to(kv_pool.device, non_blocking=True)
+        longs_d = longs.to(kv_pool.device, non_blocking=True)
+        b = bsz
+        return cls(
+            mode=ForwardMode.DECODE,
+            input_ids=input_ids.to(kv_pool.device),
+            positions=longs_d[:b],
+            req_pool_indices=ints_d[:b],
+            seq_lens=ints_d[b : 2 * b],
+            seq_lens_cpu=ints[b : 2 * b],
+            extend_seq_lens=ints_d[2 * b : 3 * b],
+            extend_seq_lens_cpu=ints[2 * b : 3 * b],
+            extend_prefix_lens=ints_d[3 * b : 4 * b],
+            extend_prefix_lens_cpu=ints[3 * b : 4 * b],
+            qo_indptr=ints_d[4 * b :],
+            out_cache_loc=longs_d[b:],
+            kv_pool=kv_pool,
+        )

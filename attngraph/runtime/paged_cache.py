@@ -13,7 +13,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..errors import AttnGraphError
-from .forward_batch import ForwardBatch, ForwardMode
+from .forward_batch import ForwardBatch
 from .kv_pool import KVPool
 
 
@@ -91,10 +91,7 @@ class PagedCache(Cache):
             raise ValueError(f"decode_step needs one token per sequence ({bsz}), got shape {tuple(tokens.shape)}")
         new_lens = [n + 1 for n in self.lengths]
         self.pool.reserve(self.rows, new_lens)
-        batch = ForwardBatch.build(
-            self.pool, self.rows, list(self.lengths), [1] * bsz, tokens,
-            positions=torch.tensor(self.lengths, dtype=torch.int64), mode=ForwardMode.DECODE,
-        )
+        batch = ForwardBatch.decode(self.pool, self.rows, self.lengths, tokens)
         logits = self.runner.forward(batch)[:, None]
         self.lengths = new_lens
         self.columns += 1
