@@ -33,7 +33,11 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos
     ``q: [..., Hq, Sq, D]``, ``k: [..., Hkv, Sk, D]``, ``v: [..., Hkv, Sk, Dv]``,
     ``q_pos: [Sq]`` -> ``[..., Hq, Sq, Dv]`` in q's dtype.
     """
-    mask = allowed_keys(q_pos, k.shape[-2], layer)
+    return masked_attention(q, k, v, allowed_keys(q_pos, k.shape[-2], layer), layer)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
+    """``softmax(cap(scale * q k^T) | mask) v`` with a bool ``mask`` broadcastable to ``[..., Hq, Sq, Sk]``."""
     if layer.logit_cap > 0:
         group = q.shape[-3] // k.shape[-3]
         kr = k.repeat_interleave(group, dim=-3).float()
@@ -90,7 +94,30 @@ class TorchNativeBackend(AttentionBackend):
         return out
 
     def forward_decode(self, q, k, v, layer, batch, save_kv_cache=True):
-        return self._paged(q, k, v, layer, batch, save_kv_cache)
+        """All requests at once: pages gathered to ``[B, Hkv, L, D]`` (L = longest request),
+        keys past each request's length masked out."""
+        if save_kv_cache:
+            self.save_kv(layer, batch, k, v)
+        pool = batch.kv_pool
+        seq_lens = batch.seq_lens_cpu.to(torch.long)
+        max_len = int(seq_lens.max())
+        n_pages = math.ceil(max_len / pool.page_size)
+        pages = pool.req_to_page[batch.req_pool_indices.long(), :n_pages].long()  # [B, P]
+        bsz = pages.shape[0]
+
+        def gather(buf: torch.Tensor) -> torch.Tensor:  # [B, Hkv, L, D]
+            return buf[pages].reshape(bsz, n_pages * pool.page_size, buf.shape[2], buf.shape[3])[:, :max_len].transpose(1, 2)
+
+        kr = gather(pool.k_buffers[layer.layer_id]).to(q.dtype)
+        vr = gather(pool.v_buffers[layer.layer_id]).to(q.dtype)
+        # The one query of request b sits at position seq_len_b - 1: causal = "within the length".
+        q_pos = (seq_lens - 1).to(q.device)
+        j = torch.arange(max_len, device=q.device)
+        mask = j[None, :] <= q_pos[:, None]
+        if layer.window_left >= 0:
+            mask &= j[None, :] >= q_pos[:, None] - layer.window_left
+        out = masked_attention(q[:, :, None, :], kr, vr, mask[:, None, None, :], layer)  # [B, Hq, 1, Dv]
+        return out[:, :, 0]
 
     def forward_extend(self, q, k, v, layer, batch, save_kv_cache=True):
         return self._paged(q, k, v, layer, batch, save_kv_cache)
