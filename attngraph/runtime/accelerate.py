@@ -8,6 +8,7 @@ without that cache runs the original forward untouched.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import logging
@@ -125,8 +126,8 @@ def _check_generate_options(model: torch.nn.Module, state: AcceleratedState, kwa
             problems.append(f"a user-supplied {name} (the accelerated generate manages its own paged cache)")
     if kwargs.get("custom_generate") is not None:
         problems.append("custom_generate (attngraph supplies its own decoding loop)")
-    if opt("cache_implementation") is not None:
-        problems.append(f"cache_implementation={opt('cache_implementation')!r}")
+    if kwargs.get("cache_implementation") is not None:
+        problems.append(f"cache_implementation={kwargs['cache_implementation']!r} (the KV cache is attngraph's paged pool)")
     if problems:
         raise UnsupportedGenerationError(
             "attngraph's accelerated generate does not support " + "; ".join(problems)
@@ -144,9 +145,21 @@ def _generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             # HF prepares everything, then runs attngraph's decoding loop (it falls back to
             # HF's own loop for streamers, return_dict_in_generate, custom stopping criteria).
             loop = {"custom_generate": paged_sample} if _own_loop_applies(model, kwargs) else {}
+            kwargs = _without_cache_implementation(model, kwargs)
             return state.original_generate(*args, **{state.cache_kwarg: cache}, **loop, **kwargs)
         finally:
             cache.free()
+
+
+def _without_cache_implementation(model: torch.nn.Module, kwargs: dict) -> dict:
+    """Checkpoints may set ``generation_config.cache_implementation`` (Gemma's "hybrid"); the
+    paged cache replaces it, and transformers refuses a cache object alongside it."""
+    gen_cfg = kwargs.get("generation_config") or model.generation_config
+    if getattr(gen_cfg, "cache_implementation", None) is None:
+        return kwargs
+    gen_cfg = copy.deepcopy(gen_cfg)
+    gen_cfg.cache_implementation = None
+    return {**kwargs, "generation_config": gen_cfg}
 
 
 def _own_loop_applies(model: torch.nn.Module, kwargs: dict) -> bool:

@@ -74,3 +74,17 @@ def test_own_decoding_loop_matches_hf_and_stops_at_eos():
     finally:
         acc.paged_sample = original
     assert len(calls) == 5
+
+
+def test_checkpoint_cache_implementation_is_replaced_by_the_paged_cache():
+    """Gemma checkpoints ship generation_config.cache_implementation="hybrid"."""
+    import copy
+
+    model = build_model("gemma2", "eager")
+    model.generation_config.cache_implementation = "hybrid"
+    reference = copy.deepcopy(model)
+    reference.generation_config.cache_implementation = None
+    attngraph.accelerate(model, attention_backend="torch_native")
+    ids, mask = left_padded_batch(model.config.vocab_size)
+    assert torch.equal(model.generate(ids, attention_mask=mask, **GREEDY), reference.generate(ids, attention_mask=mask, **GREEDY))
+    assert model.generation_config.cache_implementation == "hybrid"  # the user's config is untouched
