@@ -12,7 +12,9 @@ let HF skip a sliding-window mask, hiding the window from the passes).
 
 from __future__ import annotations
 
+import itertools
 import logging
+import types
 import torch
 
 from ..compiler.backend import AttnGraphBackend
@@ -23,6 +25,7 @@ from ..passes.site import AttentionSite
 logger = logging.getLogger(__name__)
 
 MIN_TOKENS = 2
+_instance_ids = itertools.count()
 
 
 class RaggedModel:
@@ -40,7 +43,11 @@ class RaggedModel:
             out = forward(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=logits_indices)
             return out.logits[0]
 
-        self._compiled = torch.compile(ragged_forward, backend=self.backend, fullgraph=True, dynamic=False)
+        # Dynamo caches compiled graphs per code object; a code object of its own per model
+        # keeps every accelerated model's graph (and its recompile budget) separate.
+        code = ragged_forward.__code__.replace(co_name=f"ragged_forward_{next(_instance_ids)}")
+        own = types.FunctionType(code, ragged_forward.__globals__, code.co_name, None, ragged_forward.__closure__)
+        self._compiled = torch.compile(own, backend=self.backend, fullgraph=True, dynamic=False)
 
     @property
     def num_compilations(self) -> int:

@@ -3,6 +3,8 @@ decode CUDA graphs serve; prefill asks only for the last position's logits too."
 
 import inspect
 
+import pytest
+
 import torch
 
 import attngraph
@@ -88,3 +90,17 @@ def test_checkpoint_cache_implementation_is_replaced_by_the_paged_cache():
     ids, mask = left_padded_batch(model.config.vocab_size)
     assert torch.equal(model.generate(ids, attention_mask=mask, **GREEDY), reference.generate(ids, attention_mask=mask, **GREEDY))
     assert model.generation_config.cache_implementation == "hybrid"  # the user's config is untouched
+
+
+@pytest.mark.keep_dynamo_cache
+def test_many_accelerated_models_in_one_process():
+    """Each model gets its own compiled code object: no shared recompile budget (8 by default)."""
+    import copy
+
+    for seed in range(10):
+        model = build_model("llama", "sdpa", seed=seed)
+        reference = copy.deepcopy(model)
+        attngraph.accelerate(model, attention_backend="torch_native")
+        ids, mask = left_padded_batch(model.config.vocab_size, (7, 3))
+        kw = {**GREEDY, "max_new_tokens": 3}
+        assert torch.equal(model.generate(ids, attention_mask=mask, **kw), reference.generate(ids, attention_mask=mask, **kw))
