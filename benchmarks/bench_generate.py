@@ -55,8 +55,8 @@ def prompts(vocab: int, batch: int, length: int) -> tuple[torch.Tensor, torch.Te
     return ids.cuda(), mask.cuda()
 
 
-def timed(model, ids, mask, new_tokens: int) -> tuple[torch.Tensor, float]:
-    kw = dict(attention_mask=mask, do_sample=False, pad_token_id=0, eos_token_id=None)
+def timed(model, ids, mask, new_tokens: int, **extra) -> tuple[torch.Tensor, float]:
+    kw = dict(attention_mask=mask, do_sample=False, pad_token_id=0, eos_token_id=None, **extra)
     model.generate(ids, max_new_tokens=3, **kw)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -82,6 +82,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--batches", default="1,8")
     p.add_argument("--backends", default="flashinfer,triton")
+    p.add_argument("--hf-static", action="store_true", help="also HF generate with a static cache (compiled by transformers)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.manual_seed(0)
@@ -100,6 +101,15 @@ def main() -> None:
             refs[b] = out
             rows.append(dict(impl="HF eager (sdpa)", batch=b, ms_per_token=t * 1e3, token_match=1.0))
             print(rows[-1], flush=True)
+            if args.hf_static:  # transformers compiles the forward itself for a static cache
+                try:
+                    out, t = timed(model, ids, mask, args.new_tokens, cache_implementation="static")
+                    gen, ref = out[:, ids.shape[1]:], refs[b][:, ids.shape[1]:]
+                    rows.append(dict(impl="HF static cache + torch.compile", batch=b, ms_per_token=t * 1e3,
+                                     token_match=float((gen == ref).float().mean())))
+                except Exception as exc:
+                    rows.append(dict(impl="HF static cache + torch.compile", error=f"{type(exc).__name__}: {exc}"[:500]))
+                print(rows[-1], flush=True)
     for name in [x for x in args.backends.split(",") if x]:
         m = copy.deepcopy(model)
         t0 = time.perf_counter()
