@@ -1,0 +1,258 @@
+"""Soak test of `ModelRunner`: thousands of randomly mixed prefill / decode steps.
+
+Requests arrive with random prompts (1..40 tokens), are prefilled in random chunks over a
+cached prefix, then decode one token per step; each step runs a random subset of the active
+requests (in random order, sometimes none: an IDLE step), and requests leave at random, many
+of them half-way through their prompt. The pool is kept small so that it fills up: a failed
+`reserve` must change nothing.
+
+Reference: the model's plain HF forward (no cache) over a request's whole token sequence.
+The model is causal, so its logits at position ``p`` of the final sequence are the logits of
+the sequence-so-far at its last token ``p``; one HF forward per request (when it leaves)
+therefore checks every step that request took part in. In addition, every step checks one
+random request of the batch at once (HF forward over its sequence so far), so a wrong step
+fails at the step that produced it.
+
+``ATTNGRAPH_SOAK_STEPS`` sets the number of steps per torch_native case (CI default 1200, i.e.
+7200 steps over the six cases in about 1.5 minutes on 2 CPU cores; the GPU run uses more, e.g.
+``ATTNGRAPH_SOAK_STEPS=20000``). The Triton variant runs the kernels in Triton's interpreter
+on the CPU, about 1.3 s per step, so it takes ``ATTNGRAPH_TRITON_SOAK_STEPS`` (default 12)
+steps. ``ATTNGRAPH_SOAK_SEED`` replays a failing run (the seed is in every failure message).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+
+import pytest
+import torch
+
+from attngraph import CompileConfig, KVCacheFullError
+from attngraph.runtime.forward_batch import ForwardBatch, ForwardMode
+from attngraph.runtime.model_runner import ModelRunner
+
+from ..hf_models import build_model
+
+SOAK_STEPS = int(os.environ.get("ATTNGRAPH_SOAK_STEPS", "1200"))
+#: Steps of the Triton variant (the kernels run in Triton's interpreter on the CPU).
+TRITON_SOAK_STEPS = int(os.environ.get("ATTNGRAPH_TRITON_SOAK_STEPS", "12"))
+MAX_PROMPT = 40
+MAX_DECODE = 24
+MAX_REQUESTS = 8  # rows of the request table (arrivals now and then try for one more)
+ATOL = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """A tiny model runs fastest on one thread, and CI boxes are shared: 2 threads that
+    fight for 2 busy cores are 10x slower than one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _seed() -> int:
+    env = os.environ.get("ATTNGRAPH_SOAK_SEED")
+    return int(env) if env else random.SystemRandom().randrange(2**31)
+
+
+@dataclasses.dataclass
+class Request:
+    rid: int
+    row: int
+    tokens: list[int]  # prompt + decoded tokens known so far
+    prompt_len: int
+    target_len: int  # leaves when it holds this many tokens
+    cached: int = 0  # tokens whose K/V are in the pool
+    # (step, position, logits of the token at ``position`` as the runner computed them)
+    seen: list[tuple[int, int, torch.Tensor]] = dataclasses.field(default_factory=list)
+
+
+class Soak:
+    def __init__(self, model, runner: ModelRunner, seed: int) -> None:
+        self.model, self.runner, self.pool = model, runner, runner.pool
+        self.rng = random.Random(seed)
+        self.seed = seed
+        self.vocab = model.config.vocab_size
+        self.active: dict[int, Request] = {}
+        self.next_rid = 0
+        self.stats = dict(steps=0, idle=0, decode=0, extend=0, mixed=0, checked=0, pool_full=0, rows_full=0, left_early=0)
+
+    # ------------------------------------------------------------------ reference
+    def hf_logits(self, tokens: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return self.model(input_ids=torch.tensor([tokens])).logits[0]
+
+    def where(self, req: Request, step: int) -> str:
+        return (
+            f"seed={self.seed} step={step} request {req.rid} (row {req.row}, prompt {req.prompt_len}, "
+            f"page_size={self.pool.page_size})"
+        )
+
+    def check_now(self, req: Request, step: int, got: torch.Tensor) -> None:
+        want = self.hf_logits(req.tokens[: req.cached])[-1]
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=ATOL, msg=lambda m: f"{self.where(req, step)}: {m}")
+
+    def check_all(self, req: Request) -> None:
+        if not req.seen:
+            return
+        ref = self.hf_logits(req.tokens[: req.cached])
+        for step, pos, got in req.seen:
+            torch.testing.assert_close(
+                got, ref[pos], atol=ATOL, rtol=ATOL, msg=lambda m: f"{self.where(req, step)} position {pos}: {m}"
+            )
+        self.stats["checked"] += len(req.seen)
+
+    # ------------------------------------------------------------------ lifecycle
+    def arrive(self) -> None:
+        rows_before = self.pool.num_active_requests
+        try:
+            row = self.pool.alloc_request()
+        except KVCacheFullError as exc:
+            assert "max_requests" in str(exc)
+            assert self.pool.num_active_requests == rows_before
+            self.stats["rows_full"] += 1
+            return
+        prompt_len = self.rng.randint(1, MAX_PROMPT)
+        prompt = [self.rng.randrange(self.vocab) for _ in range(prompt_len)]
+        target = prompt_len + self.rng.randint(0, MAX_DECODE)
+        self.active[self.next_rid] = Request(self.next_rid, row, prompt, prompt_len, target)
+        self.next_rid += 1
+
+    def leave(self, req: Request) -> None:
+        self.check_all(req)
+        if req.cached < req.prompt_len:
+            self.stats["left_early"] += 1
+        self.pool.free_request(req.row)
+        del self.active[req.rid]
+        assert self.pool.num_active_requests == len(self.active)
+
+    # ------------------------------------------------------------------ one step
+    def step(self, step: int) -> None:
+        rng = self.rng
+        # Arrivals (a few more than the pool and the row table can take, now and then).
+        for _ in range(rng.choice((0, 0, 1, 1, 2, 3))):
+            if len(self.active) < MAX_REQUESTS or rng.random() < 0.1:
+                self.arrive()
+        ids = list(self.active)
+        u = rng.random()
+        if u < 0.25:  # decode-only steps (DECODE mode) when some request is decoding
+            ids = [i for i in ids if self.active[i].cached >= self.active[i].prompt_len] or ids
+        elif u < 0.35:  # prefill-only steps (EXTEND over cached prefixes)
+            ids = [i for i in ids if self.active[i].cached < self.active[i].prompt_len] or ids
+        k = 0 if rng.random() < 0.015 else rng.randint(min(1, len(ids)), min(len(ids), 8))  # 0: an IDLE step
+        chosen = [self.active[i] for i in rng.sample(ids, k)]
+        extend_lens = []
+        for req in chosen:
+            if req.cached < req.prompt_len:  # a chunk of prefill over the cached prefix
+                extend_lens.append(rng.randint(1, req.prompt_len - req.cached))
+            else:  # decode one new token
+                extend_lens.append(1)
+        rows = [r.row for r in chosen]
+        new_lens = [r.cached + e for r, e in zip(chosen, extend_lens)]
+        used_before = self.pool.num_used_pages
+        table_before = self.pool.req_to_page_cpu.clone()
+        try:
+            self.pool.reserve(rows, new_lens)
+        except KVCacheFullError as exc:
+            # All or nothing: no page taken, no table entry written.
+            assert "kv_cache_tokens" in str(exc), str(exc)
+            assert self.pool.num_used_pages == used_before
+            assert torch.equal(self.pool.req_to_page_cpu, table_before)
+            assert torch.equal(self.pool.req_to_page.cpu(), table_before)
+            self.stats["pool_full"] += 1
+            self.leave(self.active[rng.choice(list(self.active))])  # make room
+            return
+        input_ids = []
+        is_decode = []
+        for req, e in zip(chosen, extend_lens):
+            decoding = req.cached >= req.prompt_len
+            if decoding:
+                req.tokens.append(rng.randrange(self.vocab))
+            input_ids += req.tokens[req.cached : req.cached + e]
+            is_decode.append(decoding)
+        mode = None
+        if chosen and any(is_decode) and not all(is_decode):
+            mode = ForwardMode.MIXED
+        batch = ForwardBatch.build(
+            self.pool, rows, [r.cached for r in chosen], extend_lens, torch.tensor(input_ids, dtype=torch.long), mode=mode
+        )
+        self.stats[batch.mode.value] += 1
+        logits = self.runner.forward(batch)
+        assert logits.shape == (len(chosen), self.vocab), (logits.shape, self.where(chosen[0], step) if chosen else step)
+        assert torch.isfinite(logits).all()
+        for i, (req, e) in enumerate(zip(chosen, extend_lens)):
+            req.cached += e
+            req.seen.append((step, req.cached - 1, logits[i].clone()))
+        if chosen:
+            i = rng.randrange(len(chosen))
+            self.check_now(chosen[i], step, logits[i])
+        # Departures: finished requests, and some at random (half-way through a prompt too).
+        for req in list(self.active.values()):
+            if req.cached >= req.target_len or rng.random() < 0.02:
+                self.leave(req)
+        assert self.pool.num_active_requests == len(self.active)
+        self.stats["steps"] += 1
+
+    def run(self, steps: int) -> dict:
+        for step in range(steps):
+            self.step(step)
+        for req in list(self.active.values()):
+            self.leave(req)
+        return self.stats
+
+
+def soak(arch: str, backend: str, page_size: int, steps: int) -> dict:
+    model = build_model(arch, "sdpa", seed=random.SystemRandom().randrange(1000))
+    cfg = CompileConfig(
+        attention_backend=backend,
+        page_size=page_size,
+        kv_cache_tokens=192,  # fills up now and then
+        max_requests=MAX_REQUESTS,
+        max_context_len=128,
+    )
+    runner = ModelRunner(model, cfg)
+    runner.warmup()
+    seed = _seed()
+    stats = Soak(model, runner, seed).run(steps)
+    print(f"soak {arch} {backend} page_size={page_size} seed={seed}: {stats}")
+    pool = runner.pool
+    assert pool.num_used_pages == 0, f"seed={seed}: {pool.num_used_pages} pages still in use"
+    assert pool.num_active_requests == 0, f"seed={seed}: {pool.num_active_requests} requests still active"
+    assert pool.num_free_pages == pool.num_pages
+    assert not pool.req_to_page_cpu.any() and not pool.req_to_page.any()
+    assert runner.num_compilations <= 2, f"seed={seed}: {runner.num_compilations} compilations"
+    # The run really mixed things up.
+    if steps >= 500:
+        assert stats["decode"] and stats["extend"] and stats["mixed"] and stats["checked"] > steps
+        assert stats["pool_full"] and stats["rows_full"] and stats["left_early"] and stats["idle"]
+    return stats
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("arch", ["llama", "mistral"])  # mistral: sliding window 8, prompts up to 40
+def test_soak_torch_native(arch, page_size):
+    soak(arch, "torch_native", page_size, SOAK_STEPS)
+
+
+@pytest.fixture
+def triton_on_cpu(monkeypatch):
+    """Let the registry hand the Triton backend CPU tensors (run by Triton's interpreter)."""
+    if torch.cuda.is_available():
+        return
+    from attngraph.attn_backends.triton_backend import TritonBackend
+    from attngraph.attn_backends.triton_ops import interpreting
+
+    if not interpreting():
+        pytest.skip("TRITON_INTERPRET=1 was not set before Triton was imported")
+    caps = TritonBackend.capabilities
+    monkeypatch.setattr(TritonBackend, "capabilities", dataclasses.replace(caps, device_types=caps.device_types + ("cpu",)))
+
+
+def test_soak_triton(triton_on_cpu):
+    """Mistral (sliding window) with 4-token pages; a short run: the interpreter is slow."""
+    stats = soak("mistral", "triton", 4, TRITON_SOAK_STEPS)
+    assert stats["checked"] >= stats["steps"]
