@@ -22,7 +22,7 @@ from ..config import CompileConfig
 from ..errors import AttnGraphError, UnsupportedModelError
 from .decode_loop import paged_sample
 from .model_runner import ModelRunner
-from .paged_cache import PagedCache
+from .paged_cache import PagedCache, check_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +96,7 @@ def restore(model: torch.nn.Module) -> torch.nn.Module:
         for name in ("forward", "generate"):
             model.__dict__.pop(name, None)
         object.__delattr__(model, _STATE_ATTR)
+        state.runner.release()
     return model
 
 
@@ -139,6 +140,9 @@ def _check_generate_options(model: torch.nn.Module, state: AcceleratedState, kwa
 def _generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     state = state_of(model)
     _check_generate_options(model, state, kwargs)
+    ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    if isinstance(ids, torch.Tensor):
+        check_token_ids(ids, state.runner.device, "input_ids")
     with state.lock:  # one generate at a time per model: the runner's step state is shared
         cache = PagedCache(state.runner)
         try:

@@ -154,6 +154,12 @@ class KVPool:
         self._free_pages.extend(reversed(pages))
         self._free_rows.append(row)
 
+    def release(self) -> None:
+        """Drop every buffer (the pool is unusable afterwards)."""
+        self.k_buffers, self.v_buffers = [], []
+        self.req_to_page = self.req_to_page[:0]
+        self._free_pages, self._free_rows, self._row_pages = [], [], {}
+
     # ------------------------------------------------------------------ addressing
     def slots_for(self, rows: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor) -> torch.Tensor:
         """KV slots ``[sum(extend_lens)]`` int64 (device) of the new tokens of each request.

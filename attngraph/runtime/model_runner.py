@@ -62,6 +62,11 @@ class ModelRunner:
         self.model = model
         self.config = config
         param = next(model.parameters())
+        if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
+            raise UnsupportedModelError(
+                "the model's weights are on the meta device (not loaded); load them "
+                "(from_pretrained, load_state_dict or to_empty + initialization) before attngraph.accelerate()"
+            )
         self.device, self.dtype = param.device, param.dtype
         self.geometry = attention_geometry(model.config)
         max_pos = getattr(model.config, "max_position_embeddings", None) or MAX_DEFAULT_CONTEXT
@@ -184,3 +189,14 @@ class ModelRunner:
     @property
     def num_compilations(self) -> int:
         return self.ragged.num_compilations
+
+    def release(self) -> None:
+        """Free the KV pool, the CUDA graphs and the backend now. Dynamo's caches keep the
+        compiled callable (and its backend object) alive until `torch._dynamo.reset`, so the
+        big buffers are dropped explicitly and the compiler's hook is cut."""
+        self.graphs = None
+        self.backend = None
+        self.ragged.backend.on_sites = None
+        self.ragged.backend.graphs.clear()
+        self.ragged.backend.sites.clear()
+        self.pool.release()

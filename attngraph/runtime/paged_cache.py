@@ -17,6 +17,15 @@ from .forward_batch import ForwardBatch
 from .kv_pool import KVPool
 
 
+def check_token_ids(t: torch.Tensor, device: torch.device, name: str, integer_only: bool = True) -> None:
+    """Raise before anything is allocated when ``t`` has the wrong dtype or device."""
+    ok_dtype = not (t.dtype.is_floating_point or t.dtype.is_complex) if integer_only else t.dtype != torch.complex64
+    if not ok_dtype or (integer_only and t.dtype == torch.bool):
+        raise TypeError(f"{name} must hold integer token ids, got dtype {t.dtype}; pass a torch.long tensor")
+    if t.device.type != device.type or (device.index is not None and t.device.index not in (None, device.index)):
+        raise ValueError(f"{name} is on device {t.device} but the model and its KV pool are on {device}; move it with .to({str(device)!r})")
+
+
 class _PagedLayer:
     """Per-layer placeholder so transformers' cache introspection sees attention (not linear) layers."""
 
@@ -89,9 +98,10 @@ class PagedCache(Cache):
         bsz = len(self.rows)
         if tokens.shape != (bsz,):
             raise ValueError(f"decode_step needs one token per sequence ({bsz}), got shape {tuple(tokens.shape)}")
+        check_token_ids(tokens, self.pool.device, "tokens")
         new_lens = [n + 1 for n in self.lengths]
         self.pool.reserve(self.rows, new_lens)
-        batch = ForwardBatch.decode(self.pool, self.rows, self.lengths, tokens)
+        batch = ForwardBatch.decode(self.pool, self.rows, self.lengths, tokens.long())
         logits = self.runner.forward(batch)[:, None]
         self.lengths = new_lens
         self.columns += 1
@@ -106,6 +116,9 @@ class PagedCache(Cache):
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        check_token_ids(input_ids, self.pool.device, "input_ids")
+        if attention_mask is not None:
+            check_token_ids(attention_mask, self.pool.device, "attention_mask", integer_only=False)
         bsz, seq = input_ids.shape
         if seq == 0:
             raise ValueError("empty prompt: input_ids has no tokens; give at least one token per sequence")
@@ -119,7 +132,7 @@ class PagedCache(Cache):
             self._allocate(bsz)
         new_lens = [n + c for n, c in zip(self.lengths, counts)]
         self.pool.reserve(self.rows, new_lens)  # all or nothing: raises KVCacheFullError before writing
-        flat_ids = input_ids[valid]  # [T], request-major
+        flat_ids = input_ids[valid].long()  # [T], request-major (int64: one compiled graph)
         batch = ForwardBatch.build(self.pool, self.rows, list(self.lengths), counts, flat_ids)
         if (isinstance(logits_to_keep, int) and logits_to_keep == 1) or (seq == 1 and batch.num_tokens == bsz):
             # Each request's last new token (a decode step: every row one token): [B, 1, V].

@@ -196,15 +196,6 @@ def test_model_on_meta_device_is_refused_and_left_untouched():
     assert get_forward_context() is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: accelerate() on a model whose parameters are on the meta device fails inside the "
-    "passes with UnsupportedModelError 'every attention site must be lowered, 0/2 were ... the mask "
-    "could not be evaluated (RuntimeError: Tensor.item() cannot be called on meta tensors) ... Use the "
-    "stateless form instead', blaming the attention sites and suggesting a form that cannot work either. "
-    "Fix: ModelRunner.__init__ should check for parameters/buffers on 'meta' and say the weights are not loaded.",
-    raises=AssertionError,
-)
 def test_model_on_meta_device_error_names_the_device():
     model = build_model("llama", "sdpa").to("meta")
     with pytest.raises(AttnGraphError) as err:
@@ -222,16 +213,6 @@ def test_float_input_ids_leave_the_pool_consistent(pair):
     assert_matches_hf(model, reference)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: float input_ids reach Dynamo: generate/PagedCache.step raise "
-    "torch._dynamo.exc.TorchRuntimeError ('Dynamo failed to run FX node with fake tensors: ... embedding "
-    "... Expected tensor for argument #1 'indices' to have one of the following scalar types: Long, Int') "
-    "after PagedCache.step has already reserved pages (contradicting 'Nothing is written when this "
-    "raises'). Fix: validate input_ids (integer dtype, model's device) in PagedCache.step before "
-    "_allocate/reserve and raise TypeError/ValueError naming the dtype.",
-    raises=torch._dynamo.exc.TorchRuntimeError,
-)
 def test_float_input_ids_clear_error(pair):
     model, _ = pair
     ids, mask = batch_inputs(model)
@@ -263,16 +244,6 @@ def test_input_ids_on_meta_leave_the_pool_consistent(pair):
     assert_matches_hf(model, reference)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: input_ids on another device than the model get no clear error: generate raises HF's "
-    "'RuntimeError: Tensor.item() cannot be called on meta tensors' (from _get_logits_processor), and "
-    "model(input_ids=..., cache=PagedCache) raises 'NotImplementedError: Cannot copy out of meta tensor; "
-    "no data!' from PagedCache.step. Fix: _generate / PagedCache.step check input_ids.device against "
-    "the runner's device and raise ValueError naming both devices; PagedCache.step with meta ids and a "
-    "CPU mask has already reserved 3 pages when it raises (its docstring: 'Nothing is written when this raises').",
-    raises=RuntimeError,
-)
 def test_input_ids_on_meta_clear_error(pair):
     model, _ = pair
     ids, mask = batch_inputs(model)
@@ -296,13 +267,6 @@ def test_int32_input_ids_match_hf(pair):
     assert_clean(model)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (performance): int32 input_ids compile the ragged model a second time (Dynamo guards "
-    "on the dtype of input_ids; runner.num_compilations goes 1 -> 2). Fix: PagedCache.step / "
-    "ModelRunner.forward cast input_ids to int64 before calling the compiled model.",
-    raises=AssertionError,
-)
 def test_int32_input_ids_do_not_recompile(pair):
     model, _ = pair
     ids, mask = batch_inputs(model)
@@ -361,16 +325,6 @@ def test_accelerate_twice_then_restore_and_again(pair):
     assert_matches_hf(model, reference, lengths=(2, 9, 5))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: restore() does not release the KV pool: Dynamo's global "
-    "torch._dynamo.eval_frame.cached_backends keeps the _TorchCompileWrapper -> AttnGraphBackend -> "
-    "on_sites (bound ModelRunner._on_sites_checked) -> ModelRunner -> KVPool alive until "
-    "torch._dynamo.reset(). On CUDA each accelerate/restore cycle leaks a pool sized at 40% of free "
-    "memory. Fix: restore() frees the runner's buffers explicitly (pool k/v buffers, page table, CUDA "
-    "graphs), and the backend holds the runner weakly (weakref.WeakMethod for on_sites).",
-    raises=AssertionError,
-)
 def test_restore_releases_the_kv_pool(pair):
     model, _ = pair
     pool = state_of(model).runner.pool
