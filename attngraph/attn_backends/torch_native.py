@@ -108,11 +108,14 @@ class TorchNativeBackend(AttentionBackend):
         def gather(buf: torch.Tensor) -> torch.Tensor:  # [B, Hkv, L, D]
             return buf[pages].reshape(bsz, n_pages * pool.page_size, buf.shape[2], buf.shape[3])[:, :max_len].transpose(1, 2)
 
-        kr = gather(pool.k_buffers[layer.layer_id]).to(q.dtype)
-        vr = gather(pool.v_buffers[layer.layer_id]).to(q.dtype)
         # The one query of request b sits at position seq_len_b - 1: causal = "within the length".
         q_pos = (seq_lens - 1).to(q.device)
         j = torch.arange(max_len, device=q.device)
+        # Slots past a request's length hold other data (or garbage): zero them, since a masked
+        # score still multiplies its value (0 * NaN = NaN).
+        inside = (j[None, :] <= q_pos[:, None])[:, None, :, None]  # [B, 1, L, 1]
+        kr = torch.where(inside, gather(pool.k_buffers[layer.layer_id]).to(q.dtype), 0)
+        vr = torch.where(inside, gather(pool.v_buffers[layer.layer_id]).to(q.dtype), 0)
         mask = j[None, :] <= q_pos[:, None]
         if layer.window_left >= 0:
             mask &= j[None, :] >= q_pos[:, None] - layer.window_left
