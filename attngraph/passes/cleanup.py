@@ -16,7 +16,11 @@ After::
 from __future__ import annotations
 
 import logging
+import operator
+from typing import Any
 
+import torch
+import torch.nn.functional as F
 from torch import fx
 
 from . import fx_utils as fu
@@ -24,19 +28,40 @@ from . import fx_utils as fu
 logger = logging.getLogger(__name__)
 
 
+#: Ops whose result is a new tensor no other graph value aliases.
+_FRESH = fu.MATMUL | fu.BMM | {
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg,
+    torch.add, torch.sub, torch.mul, torch.div, torch.tanh, torch.softmax, F.softmax,
+    "add", "sub", "mul", "div", "tanh", "softmax",
+}
+
+
+def _private(node: Any) -> bool:
+    """Is ``node``'s tensor reachable only through ``node`` (fresh storage, possibly mutated in
+    place along a chain of single-user in-place ops)?"""
+    while isinstance(node, fx.Node):
+        if fu.is_op(node, _FRESH) and not fu.is_inplace(node):
+            return True
+        if not fu.is_inplace(node) or not node.args:
+            return False
+        src = node.args[0]
+        if not isinstance(src, fx.Node) or len(src.users) != 1:
+            return False
+        node = src
+    return False
+
+
 def _is_impure(node: fx.Node) -> bool:
     if node.op in ("placeholder", "output"):
         return True
-    if node.op == "call_method" and isinstance(node.target, str) and node.target.endswith("_") and not node.target.endswith("__"):
-        return True  # in-place Tensor method
+    if fu.is_inplace(node):
+        # ``s /= c`` may go only when nothing else can observe ``s``: it is fresh storage whose
+        # sole user is this op (then the mutation is visible only through the dead result).
+        src = node.args[0] if node.args else None
+        return not (isinstance(src, fx.Node) and len(src.users) == 1 and _private(src))
     if node.op == "call_function":
         schema = getattr(node.target, "_schema", None)
         if schema is not None and schema.is_mutable:
-            return True
-        name = getattr(node.target, "__name__", "")
-        # torch.relu_ and friends mutate; operator.and_ / or_ are plain binary operators.
-        in_place = name.endswith("_") and not name.endswith("__")
-        if in_place and getattr(node.target, "__module__", "") not in ("_operator", "operator"):
             return True
     return node.is_impure()
 

@@ -4,9 +4,14 @@ Two forms are recognized:
 
 * SDPA: ``scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale,
   enable_gqa)``, with or without HF's repeat_kv chain in front of k/v;
-* eager: ``matmul(q, k.transpose(-2, -1))``, scale by mul/div (of the scores or of q),
-  optional softcap ``cap * tanh(s / cap)``, optional mask add, ``softmax(-1)`` with or
-  without an fp32 upcast and cast back, dropout, ``matmul(p, v)``.
+* eager: ``matmul(q, k.transpose(-2, -1))``, scale by mul/div (of the scores or of q; of
+  the scores also in place, ``s /= c``), optional softcap ``cap * tanh(s / cap)``, optional
+  mask add, ``softmax(-1)`` with or without an fp32 upcast and cast back, dropout, a
+  same-shape view, ``matmul(p, v)``.
+
+A softmax over keys multiplied with values that does not fit these forms (an ALiBi bias added
+to the scores, Bloom's ``baddbmm`` on ``[B*H, S, D]``) is reported as a refused site with the
+reason, so that the paged runtime fails loudly instead of missing a cross-token op.
 
 Before/after (this pass only reads the graph)::
 
@@ -129,37 +134,53 @@ def _match_eager(gm: fx.GraphModule, softmax: fx.Node) -> AttentionSite | None:
     shape = fu.shape_of(softmax)
     if shape is None or len(shape) != 4 or dim not in (-1, 3):
         return None
-    # Downward: softmax -> [cast] -> [dropout] -> matmul(p, v)
-    p, out = softmax, None
+    # Downward: softmax -> [cast] -> [dropout] -> [same-shape view] -> matmul(p, v)
+    p, out, reshaped = softmax, None, None
     while True:
         users = list(p.users)
         if len(users) != 1:
             break
         u = users[0]
-        if fu.is_op(u, fu.CAST) or fu.is_op(u, fu.CONTIGUOUS):
+        if fu.is_op(u, fu.CAST) or fu.is_op(u, fu.CONTIGUOUS) or fu.is_op(u, fu.DROPOUT):
             p = u
             continue
-        if fu.is_op(u, fu.DROPOUT):
+        if (fu.is_op(u, fu.RESHAPE) or fu.is_op(u, fu.FLATTEN)) and u.args[0] is p:
+            if not _same_shape(fu.shape_of(u), shape):
+                reshaped = reshaped or u
             p = u
             continue
-        if fu.is_op(u, fu.MATMUL) and u.args[0] is p:
+        if (fu.is_op(u, fu.MATMUL) or fu.is_op(u, fu.BMM)) and u.args[0] is p:
             out = u
         break
     if out is None:
         return None
-    # Upward: [cast] [mask add] [softcap] [scale]* matmul(q [*scale], k^T)
     site = _new_site(out, "eager")
+    if reshaped is not None or not fu.is_op(out, fu.MATMUL):
+        # Attention-shaped (softmax over keys times values) but not in the [B, H, S, D] form.
+        if not _attention_shaped(x, out):
+            return None
+        where = reshaped if reshaped is not None else out
+        bias = _upward(x, {torch.baddbmm, "baddbmm"})
+        why = f"; the scores come from {bias.name} = baddbmm(bias, q, k^T): a position bias such as ALiBi" if bias else ""
+        return site.refuse(
+            f"eager attention in an unsupported layout: the probabilities are reshaped to "
+            f"{_show_shape(fu.shape_of(where))} before the product with the values ({where.name}){why}"
+        )
+    # Upward: [cast] [mask add] [softcap] [scale]* matmul(q [*scale], k^T)
     x = _skip_casts(x)
     mask = None
     scores = None
-    if fu.is_op(x, fu.ADD) and len(x.args) == 2:
+    if fu.is_op(x, fu.ADD) and len(x.args) == 2 and not x.kwargs:
         a, b = x.args
-        for s_node, m_node in ((a, b), (b, a)):
+        # ``s += mask`` mutates its first argument: only that one may be the scores.
+        for s_node, m_node in ((a, b),) if fu.is_inplace(x) else ((a, b), (b, a)):
             if _reaches_qk_matmul(s_node):
                 scores, mask = s_node, m_node
                 break
         if scores is None:
-            return None
+            if not _attention_shaped(x, out):
+                return None
+            return site.refuse(f"the scores before the softmax are not computed as q @ k^T ({_producer(x)})")
     else:
         scores = x
     scores = _skip_casts(scores)
@@ -169,21 +190,31 @@ def _match_eager(gm: fx.GraphModule, softmax: fx.Node) -> AttentionSite | None:
         scores, cap = capped
     scale = ScaleExpr()
     while True:
-        factor = _scale_factor(gm, scores)
+        # In-place spellings (``s /= c``) are fine here: the op reads q and k, never ``s``.
+        factor = _scale_factor(gm, scores, allow_inplace=True)
         if factor is None:
             break
         scores, f = factor
         scale = scale.times(f)
     scores = _skip_casts(scores)
     if not (fu.is_op(scores, fu.MATMUL) and len(scores.args) == 2):
-        return None
+        if not _attention_shaped(x, out):
+            return None
+        if fu.is_op(scores, fu.ADD):
+            return site.refuse(
+                f"a term is added to q @ k^T before the softmax that is not a provable mask ({scores.name}: "
+                "a position bias such as ALiBi)"
+            )
+        return site.refuse(f"the scores before the softmax are not scale * q @ k^T [softcap] [+ mask] ({_producer(scores)})")
     q, kt = scores.args
     while (qf := _scale_factor(gm, q)) is not None:
         q, f = qf
         scale = scale.times(f)
     k_fed = _untranspose(kt)
     if k_fed is None:
-        return None
+        if not _attention_shaped(x, out) or fu.example_value(kt) is None or fu.example_value(kt).dim() != 4:
+            return None
+        return site.refuse(f"the key operand of q @ k^T is not a transposed [B, H, S, D] key ({_producer(kt)})")
     site.q, site.mask, site.scale, site.logit_cap = q, mask, scale, cap
     site.k, n_rep_k = _peel_repeat_kv(k_fed)
     site.v, n_rep_v = _peel_repeat_kv(out.args[1])
@@ -197,6 +228,56 @@ def _match_eager(gm: fx.GraphModule, softmax: fx.Node) -> AttentionSite | None:
             if training and not (isinstance(p_drop, (int, float)) and p_drop == 0):
                 return site.refuse(f"dropout p={_show(p_drop)} in training mode")
     return site
+
+
+#: Products that may compute attention scores from two activations.
+_PRODUCTS = fu.MATMUL | fu.BMM | {torch.baddbmm, "baddbmm", torch.einsum}
+
+
+def _attention_shaped(scores_in: Any, out: fx.Node) -> bool:
+    """Does ``softmax(scores_in) ... @ out.args[1]`` look like attention: the values are an
+    activation (not a weight), and the scores come from a product of activations within a few
+    steps? Then an unmatched form is reported as a refused site instead of being ignored."""
+    v = out.args[1] if len(out.args) > 1 else None
+    val = fu.example_value(v)
+    if not isinstance(v, fx.Node) or v.op == "get_attr" or not isinstance(val, torch.Tensor) or val.dim() < 3:
+        return False
+    product = _upward(scores_in, _PRODUCTS)
+    operands = product.all_input_nodes if product is not None else []
+    return len(operands) >= 2 and all(a.op != "get_attr" for a in operands)
+
+
+def _upward(x: Any, ops: set, depth: int = 8) -> fx.Node | None:
+    """The first node calling one of ``ops`` among ``x``'s ancestors within ``depth`` steps."""
+    frontier, seen = [x], set()
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            if not isinstance(n, fx.Node) or n in seen:
+                continue
+            seen.add(n)
+            if fu.is_op(n, ops):
+                return n
+            nxt.extend(n.all_input_nodes)
+        frontier = nxt
+    return None
+
+
+def _producer(x: Any) -> str:
+    if not isinstance(x, fx.Node):
+        return repr(x)
+    target = x.target if isinstance(x.target, str) else getattr(x.target, "__name__", str(x.target))
+    return f"{x.name} = {target}(...)"
+
+
+def _same_shape(a: tuple | None, b: tuple | None) -> bool:
+    return a is not None and b is not None and len(a) == len(b) and all(
+        fu.same_size(x, y) or (isinstance(x, int) and isinstance(y, int) and x == y) for x, y in zip(a, b)
+    )
+
+
+def _show_shape(shape: tuple | None) -> str:
+    return "?" if shape is None else "[" + ", ".join(str(s) for s in shape) + "]"
 
 
 def _chain(start: fx.Node, end: fx.Node) -> list[fx.Node]:
@@ -267,12 +348,19 @@ def _cap_value(gm: fx.GraphModule, c: Any) -> float | fx.Node:
     return constant_value(gm, c)
 
 
-def _scale_factor(gm: fx.GraphModule, x: Any) -> tuple[fx.Node, ScaleExpr] | None:
-    """``y * c``, ``c * y`` or ``y / c`` with a scalar ``c`` -> ``(y, c or 1/c)``."""
-    if not (fu.is_op(x, fu.MUL) or fu.is_op(x, fu.DIV)) or len(x.args) != 2:
+def _scale_factor(gm: fx.GraphModule, x: Any, allow_inplace: bool = False) -> tuple[fx.Node, ScaleExpr] | None:
+    """``y * c``, ``c * y`` or ``y / c`` with a scalar ``c`` -> ``(y, c or 1/c)``.
+
+    In-place forms (``y *= c``) only with ``allow_inplace``: they change ``y`` itself, so ``y``
+    no longer holds the unscaled value for a consumer placed after them.
+    """
+    if not (fu.is_op(x, fu.MUL) or fu.is_op(x, fu.DIV)) or len(x.args) != 2 or x.kwargs:
+        return None
+    inplace = fu.is_inplace(x)
+    if inplace and not allow_inplace:
         return None
     a, b = x.args
-    candidates = [(a, b)] if fu.is_op(x, fu.DIV) else [(a, b), (b, a)]
+    candidates = [(a, b)] if fu.is_op(x, fu.DIV) or inplace else [(a, b), (b, a)]
     for y, c in candidates:
         if not _is_tensor_node(y) or not _is_scalar(c):
             continue
@@ -348,7 +436,12 @@ def _check_shapes_and_mask(gm: fx.GraphModule, site: AttentionSite, trusted: set
     if fu.size_hint(ks[3]) != d or fu.size_hint(vs[1]) != hkv or not fu.same_size(ks[2], vs[2]):
         site.refuse("q/k/v shapes do not line up")
         return
-    if hq % hkv != 0 or (hq != hkv and not site.extra.get("gqa_explicit")):
+    if not (_same_shape(qs[:1], ks[:1]) and _same_shape(qs[:1], vs[:1])):
+        site.refuse(f"keys/values of batch {ks[0]} for queries of batch {qs[0]} (broadcast over the batch)")
+        return
+    # One key head broadcast over every query head (multi-query attention written without
+    # repeat_kv, e.g. Falcon-7B) is the grouped mapping with a single group.
+    if hq % hkv != 0 or (hq != hkv and hkv != 1 and not site.extra.get("gqa_explicit")):
         site.refuse(f"{hq} query heads vs {hkv} key heads without grouped-query broadcasting")
         return
     site.num_q_heads, site.num_kv_heads, site.head_dim, site.v_head_dim = hq, hkv, d, dv

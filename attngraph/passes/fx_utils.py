@@ -12,17 +12,25 @@ from torch import fx
 
 # Each set lists the spellings one operation takes in a Dynamo graph: call_function targets and
 # call_method names (strings).
-MATMUL = {torch.matmul, operator.matmul, "matmul", torch.bmm, "bmm"}
+MATMUL = {torch.matmul, operator.matmul, "matmul"}
+BMM = {torch.bmm, "bmm"}  # 3-D only: never the [B, H, S, D] form
 SOFTMAX = {torch.softmax, F.softmax, "softmax", torch._C._nn.softmax if hasattr(torch._C._nn, "softmax") else F.softmax}
 SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
-MUL = {operator.mul, torch.mul, "mul"}
-DIV = {operator.truediv, torch.div, torch.true_divide, "div", "true_divide"}
-ADD = {operator.add, torch.add, "add"}
+# In-place spellings (``s /= c``, ``s.mul_(c)``) compute the same value; the ops in INPLACE
+# mutate their first argument, which `cleanup` checks before removing one.
+MUL_INPLACE = {operator.imul, "mul_"}
+DIV_INPLACE = {operator.itruediv, "div_"}
+ADD_INPLACE = {operator.iadd, "add_"}
+MUL = {operator.mul, torch.mul, "mul"} | MUL_INPLACE
+DIV = {operator.truediv, torch.div, torch.true_divide, "div", "true_divide"} | DIV_INPLACE
+ADD = {operator.add, torch.add, "add"} | ADD_INPLACE
+INPLACE = MUL_INPLACE | DIV_INPLACE | ADD_INPLACE
 TANH = {torch.tanh, F.tanh, "tanh"}
 DROPOUT = {F.dropout, torch.dropout, "dropout"}
 CAST = {"to", "float", "type_as", "half", "bfloat16", "type", "double"}
 TRANSPOSE = {torch.transpose, "transpose"}
 RESHAPE = {torch.reshape, "reshape", "view"}
+FLATTEN = {torch.flatten, "flatten"}
 EXPAND = {"expand"}
 REPEAT_INTERLEAVE = {torch.repeat_interleave, "repeat_interleave"}
 GETITEM = {operator.getitem}
@@ -40,6 +48,24 @@ def is_op(node: Any, ops: Iterable[Any]) -> bool:
     if node.op == "call_method":
         return node.target in ops
     return False
+
+
+def is_inplace(node: Any) -> bool:
+    """Does ``node`` mutate its first argument (``x += y``, ``x.mul_(y)``, ``torch.relu_(x)``)?"""
+    if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
+        return False
+    if node.target in INPLACE:
+        return True
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    if getattr(node.target, "__module__", "") in ("_operator", "operator"):
+        return name in _OPERATOR_INPLACE
+    return name.endswith("_") and not name.endswith("__")
+
+
+_OPERATOR_INPLACE = {
+    "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul",
+    "iand", "ior", "ixor", "ilshift", "irshift", "iconcat",
+}
 
 
 def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:

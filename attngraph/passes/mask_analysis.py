@@ -17,6 +17,7 @@ constant) cannot hide behind short probe sequences.
 from __future__ import annotations
 
 import logging
+import operator
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -24,7 +25,7 @@ import sympy
 import torch
 from torch import fx
 
-from .fx_utils import SHAPE_ATTRS, SHAPE_QUERIES, example_value, is_op
+from .fx_utils import SHAPE_ATTRS, SHAPE_QUERIES, example_value, is_inplace, is_op
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,65 @@ def ancestors(node: fx.Node) -> set[fx.Node]:
         seen.add(n)
         stack.extend(n.all_input_nodes)
     return seen
+
+
+#: Ops whose result may share storage with their first argument.
+_MAY_ALIAS = {
+    operator.getitem, torch.reshape, torch.transpose, torch.permute, torch.unsqueeze, torch.squeeze,
+    torch.narrow, torch.select, torch.flatten, torch.detach, torch.split, torch.chunk, torch.unbind,
+    "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "expand", "expand_as", "unsqueeze",
+    "squeeze", "narrow", "select", "flatten", "unflatten", "contiguous", "to", "type", "type_as", "float",
+    "bool", "long", "int", "half", "bfloat16", "double", "detach", "t", "T", "mT", "as_strided", "diagonal",
+    "split", "chunk", "unbind", "movedim", "swapaxes",
+}
+
+
+def _mutates(user: fx.Node, node: fx.Node) -> bool:
+    if user.op not in ("call_function", "call_method"):
+        return False
+    if is_inplace(user) or user.target is operator.setitem:
+        return bool(user.args) and user.args[0] is node
+    if user.kwargs.get("out") is not None:
+        return True
+    schema = getattr(user.target, "_schema", None)
+    return schema is not None and schema.is_mutable
+
+
+def _value_ancestors(node: fx.Node) -> set[fx.Node]:
+    """Ancestors whose values (not just sizes) reach ``node``: edges through shape queries are cut."""
+    seen: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if not _is_shape_query(n):
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def unseen_mutation(node: fx.Node) -> fx.Node | None:
+    """A node that modifies (in place, possibly through a view) a tensor ``node`` is computed
+    from, without being among ``node``'s ancestors; None when there is none.
+
+    Evaluating ``node``'s ancestors alone would miss such a write (``mask[..., :n] = padding``),
+    so a mask with one is not provable.
+    """
+    need = _value_ancestors(node)
+    seen: set[fx.Node] = set()
+    stack = list(need)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for u in n.users:
+            if u not in need and _mutates(u, n):
+                return u
+            if is_op(u, _MAY_ALIAS) and u.args and u.args[0] is n:
+                stack.append(u)
+    return None
 
 
 def value_inputs(node: fx.Node) -> set[fx.Node]:
@@ -246,6 +306,9 @@ def analyze_mask(
 
     Raises `NotProvable` with the reason when the mask depends on data or is no known pattern.
     """
+    mutation = unseen_mutation(mask)
+    if mutation is not None:
+        raise NotProvable(f"the mask is modified in place by {mutation.name}, outside its own computation")
     untrusted = value_inputs(mask) - set(trusted_positions)
     if untrusted:
         names = ", ".join(sorted(n.name for n in untrusted))
@@ -286,6 +349,8 @@ def constant_value(gm: fx.GraphModule, node: Any) -> float:
         raise NotProvable(f"{node!r} is not a number")
     if value_inputs(node):
         raise NotProvable(f"{node.name} depends on input values")
+    if unseen_mutation(node) is not None:
+        raise NotProvable(f"{node.name} is modified in place")
     values = {float(v) for _, v in evaluate(gm, node)}
     if len(values) != 1:
         raise NotProvable(f"{node.name} depends on the sequence length")
