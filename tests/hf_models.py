@@ -14,18 +14,70 @@ COMMON = dict(
     max_position_embeddings=256,
 )
 
+BOTH = ("sdpa", "eager")
+
+
+def _supports_sdpa(model_type: str) -> bool:
+    import importlib
+
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    base = next(getattr(module, n) for n in dir(module) if n.endswith("PreTrainedModel"))
+    return bool(getattr(base, "_supports_sdpa", False))
+
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+
 # name -> (config class, overrides, attention implementations to test)
 ARCHS: dict[str, tuple[str, dict, tuple[str, ...]]] = {
-    "llama": ("LlamaConfig", dict(num_key_value_heads=2), ("sdpa", "eager")),
-    "mistral": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=8), ("sdpa", "eager")),
-    "qwen2": ("Qwen2Config", dict(num_key_value_heads=2), ("sdpa", "eager")),
-    "phi3": ("Phi3Config", dict(num_key_value_heads=2, pad_token_id=0), ("sdpa", "eager")),
+    "llama": ("LlamaConfig", dict(num_key_value_heads=2), BOTH),
+    "mistral": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=8), BOTH),
+    "mixtral": ("MixtralConfig", dict(num_key_value_heads=2, sliding_window=8, num_local_experts=4, num_experts_per_tok=2), BOTH),
+    "qwen2": ("Qwen2Config", dict(num_key_value_heads=2, use_sliding_window=True, sliding_window=8, max_window_layers=1), BOTH),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(num_key_value_heads=2, num_experts=4, shared_expert_intermediate_size=48, **MOE),
+        BOTH,
+    ),
+    "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=16), BOTH),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_key_value_heads=2, head_dim=16, num_experts=4, **MOE), BOTH),
+    "phi3": ("Phi3Config", dict(num_key_value_heads=2, pad_token_id=0), BOTH),
+    "phi": ("PhiConfig", dict(qk_layernorm=True), BOTH),
+    "gemma": ("GemmaConfig", dict(num_key_value_heads=1, head_dim=16), BOTH),
     "gemma2": (
         "Gemma2Config",
         dict(num_key_value_heads=2, head_dim=16, sliding_window=8, attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
-        ("eager",),  # transformers' Gemma2 has no SDPA path (softcap): `_supports_sdpa = False`
+        # transformers >= 5.2x dropped Gemma2's SDPA path (SDPA cannot softcap); 5.17 still has
+        # it, and there HF's SDPA output has no softcap, which the graph shows and the op copies.
+        ("sdpa", "eager") if _supports_sdpa("gemma2") else ("eager",),
     ),
-    "gpt_neox": ("GPTNeoXConfig", dict(rotary_pct=0.5), ("sdpa", "eager")),
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            query_pre_attn_scalar=24,
+        ),
+        BOTH,
+    ),
+    "gpt_neox": ("GPTNeoXConfig", dict(rotary_pct=0.5), BOTH),
+    "gpt2": ("GPT2Config", dict(n_inner=96, bos_token_id=1, eos_token_id=2), BOTH),
+    "opt": ("OPTConfig", dict(ffn_dim=96, word_embed_proj_dim=64, bos_token_id=1, eos_token_id=2, pad_token_id=0), BOTH),
+    "falcon": (
+        "FalconConfig",
+        dict(num_kv_heads=2, new_decoder_architecture=True, alibi=False, bos_token_id=1, eos_token_id=2),
+        BOTH,
+    ),
+    "stablelm": ("StableLmConfig", dict(num_key_value_heads=2, qk_layernorm=True, use_qkv_bias=True), BOTH),
+    "olmo2": ("Olmo2Config", dict(num_key_value_heads=2, pad_token_id=0, eos_token_id=2), BOTH),
+    "granite": (
+        "GraniteConfig",
+        dict(num_key_value_heads=2, attention_multiplier=0.2, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0),
+        BOTH,
+    ),
+    "cohere": ("CohereConfig", dict(num_key_value_heads=2, use_qk_norm=True, logit_scale=0.5), BOTH),
+    "starcoder2": ("Starcoder2Config", dict(num_key_value_heads=2, sliding_window=8, bos_token_id=1, eos_token_id=2), BOTH),
+    "smollm3": ("SmolLM3Config", dict(num_key_value_heads=2, no_rope_layer_interval=2, pad_token_id=0), BOTH),
 }
 
 
