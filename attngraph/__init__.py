@@ -7,6 +7,7 @@ from .errors import (
     CaptureError,
     ConfigError,
     KVCacheFullError,
+    UnsupportedGenerationError,
     UnsupportedModelError,
 )
 from .runtime import attention_op as _attention_op  # registers torch.ops.attngraph.attention
@@ -14,7 +15,7 @@ from .compiler import AttentionReport, explain
 from .compiler import make_backend as backend
 from .compiler import register as _register
 
-from .runtime.accelerate import UnsupportedGenerationError, accelerate, restore
+from .runtime.accelerate import accelerate, restore
 
 _register()
 

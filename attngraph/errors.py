@@ -15,6 +15,10 @@ class UnsupportedModelError(AttnGraphError):
     """The model (or one of its attention sites) cannot be served; the message lists why."""
 
 
+class UnsupportedGenerationError(AttnGraphError, ValueError):
+    """A generate() option the accelerated path does not serve (beam search, assisted decoding...)."""
+
+
 class BackendUnavailableError(AttnGraphError):
     """An attention backend cannot be used here (missing package, device, or capability)."""
 

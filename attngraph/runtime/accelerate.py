@@ -19,7 +19,7 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..config import CompileConfig
-from ..errors import AttnGraphError, UnsupportedModelError
+from ..errors import AttnGraphError, UnsupportedGenerationError, UnsupportedModelError
 from .decode_loop import paged_sample
 from .model_runner import ModelRunner
 from .paged_cache import PagedCache, check_token_ids
@@ -28,10 +28,6 @@ logger = logging.getLogger(__name__)
 
 _STATE_ATTR = "_attngraph_state"
 SUPPORTED_MODES = "greedy decoding and multinomial sampling (temperature, top-k, top-p, logits processors), num_beams=1"
-
-
-class UnsupportedGenerationError(AttnGraphError, ValueError):
-    """A generate() option the accelerated path does not serve (beam search, assisted decoding...)."""
 
 
 class AcceleratedState:
