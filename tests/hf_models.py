@@ -1,6 +1,13 @@
-"""Tiny configs of HF decoder architectures, built in the test (no downloads)."""
+"""Tiny configs of HF decoder architectures, built in the test (no downloads).
+
+Two layers, fp32, sliding windows of 8 tokens (shorter than the generate tests' prompts), so
+that every feature an architecture has (window, softcap, per-layer RoPE or window, MoE
+routing, q/k norms, partial rotary, learned positions) changes the tokens when mishandled.
+"""
 
 from __future__ import annotations
+
+import importlib
 
 import torch
 import transformers
@@ -15,22 +22,23 @@ COMMON = dict(
 )
 
 BOTH = ("sdpa", "eager")
+# MoE: 4 experts, 2 per token; experts run as transformers' default ("grouped_mm", one graph).
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
 
 
 def _supports_sdpa(model_type: str) -> bool:
-    import importlib
-
+    """Does this transformers version have an SDPA path for ``model_type``?"""
     module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     base = next(getattr(module, n) for n in dir(module) if n.endswith("PreTrainedModel"))
     return bool(getattr(base, "_supports_sdpa", False))
 
-MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
 
 # name -> (config class, overrides, attention implementations to test)
 ARCHS: dict[str, tuple[str, dict, tuple[str, ...]]] = {
     "llama": ("LlamaConfig", dict(num_key_value_heads=2), BOTH),
     "mistral": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=8), BOTH),
     "mixtral": ("MixtralConfig", dict(num_key_value_heads=2, sliding_window=8, num_local_experts=4, num_experts_per_tok=2), BOTH),
+    # Qwen2: layer 0 full, layer 1 sliding (layers from max_window_layers on).
     "qwen2": ("Qwen2Config", dict(num_key_value_heads=2, use_sliding_window=True, sliding_window=8, max_window_layers=1), BOTH),
     "qwen2_moe": (
         "Qwen2MoeConfig",
@@ -40,7 +48,7 @@ ARCHS: dict[str, tuple[str, dict, tuple[str, ...]]] = {
     "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=16), BOTH),
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_key_value_heads=2, head_dim=16, num_experts=4, **MOE), BOTH),
     "phi3": ("Phi3Config", dict(num_key_value_heads=2, pad_token_id=0), BOTH),
-    "phi": ("PhiConfig", dict(qk_layernorm=True), BOTH),
+    "phi": ("PhiConfig", dict(qk_layernorm=True), BOTH),  # partial rotary (0.5), MHA
     "gemma": ("GemmaConfig", dict(num_key_value_heads=1, head_dim=16), BOTH),
     "gemma2": (
         "Gemma2Config",
@@ -49,7 +57,7 @@ ARCHS: dict[str, tuple[str, dict, tuple[str, ...]]] = {
         # it, and there HF's SDPA output has no softcap, which the graph shows and the op copies.
         ("sdpa", "eager") if _supports_sdpa("gemma2") else ("eager",),
     ),
-    "gemma3": (
+    "gemma3": (  # Gemma3ForCausalLM: sliding and global layers, a RoPE base per layer type
         "Gemma3TextConfig",
         dict(
             num_key_value_heads=2,
@@ -63,21 +71,21 @@ ARCHS: dict[str, tuple[str, dict, tuple[str, ...]]] = {
     "gpt_neox": ("GPTNeoXConfig", dict(rotary_pct=0.5), BOTH),
     "gpt2": ("GPT2Config", dict(n_inner=96, bos_token_id=1, eos_token_id=2), BOTH),
     "opt": ("OPTConfig", dict(ffn_dim=96, word_embed_proj_dim=64, bos_token_id=1, eos_token_id=2, pad_token_id=0), BOTH),
-    "falcon": (
+    "falcon": (  # 40B layout: K/V broadcast to every head before RoPE; eager scales with `/=`
         "FalconConfig",
         dict(num_kv_heads=2, new_decoder_architecture=True, alibi=False, bos_token_id=1, eos_token_id=2),
         BOTH,
     ),
     "stablelm": ("StableLmConfig", dict(num_key_value_heads=2, qk_layernorm=True, use_qkv_bias=True), BOTH),
     "olmo2": ("Olmo2Config", dict(num_key_value_heads=2, pad_token_id=0, eos_token_id=2), BOTH),
-    "granite": (
+    "granite": (  # attention_multiplier is the scale
         "GraniteConfig",
         dict(num_key_value_heads=2, attention_multiplier=0.2, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0),
         BOTH,
     ),
     "cohere": ("CohereConfig", dict(num_key_value_heads=2, use_qk_norm=True, logit_scale=0.5), BOTH),
     "starcoder2": ("Starcoder2Config", dict(num_key_value_heads=2, sliding_window=8, bos_token_id=1, eos_token_id=2), BOTH),
-    "smollm3": ("SmolLM3Config", dict(num_key_value_heads=2, no_rope_layer_interval=2, pad_token_id=0), BOTH),
+    "smollm3": ("SmolLM3Config", dict(num_key_value_heads=2, no_rope_layer_interval=2, pad_token_id=0), BOTH),  # layer 1: no RoPE
 }
 
 
