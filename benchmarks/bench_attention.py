@@ -118,14 +118,20 @@ def make_step(batch: int, new: int, prefix: int, mode: ForwardMode, gen: torch.G
 
 
 def make_backend(name: str):
-    """(label, backend) pairs for ``name``; FlashInfer twice (both extend designs) for prefill."""
+    """(label, backend) pairs for ``name``. FlashInfer three times: the default, decode with
+    tensor cores forced on (``[tc]``: decode only; the default turns them on above GQA group 4),
+    and the ragged + merge extend design (``[ragged_merge]``: prefill only)."""
     spec = ModelAttentionSpec(1, HQ, HKV, (D,), DTYPE, "cuda", PAGE)
     cls = get_backend_class(name)  # BackendUnavailableError when it cannot load
     why = cls.capabilities.why_not(spec)
     if why:
         raise RuntimeError(why)
     if name == "flashinfer":
-        return [("flashinfer", cls(spec)), ("flashinfer[ragged_merge]", cls(spec, extend_impl="ragged_merge"))]
+        return [
+            ("flashinfer", cls(spec)),
+            ("flashinfer[tc]", cls(spec, decode_tensor_cores=True)),
+            ("flashinfer[ragged_merge]", cls(spec, extend_impl="ragged_merge")),
+        ]
     return [(name, cls(spec))]
 
 
@@ -198,9 +204,11 @@ def main() -> None:
             rows.append(dict(op="-", shape=[], backend=name, error=str(exc)))
             continue
         for label, backend in backends:
-            work = [("prefill", s) for s in prefill_shapes]
-            if not label.endswith("]"):  # the extend variant only differs for prefill
-                work = [("decode", s) for s in decode_shapes] + work
+            work = [("decode", s) for s in decode_shapes] + [("prefill", s) for s in prefill_shapes]
+            if label.endswith("[tc]"):  # differs from the default in decode only
+                work = work[: len(decode_shapes)]
+            elif label.endswith("[ragged_merge]"):  # differs in prefill only
+                work = work[len(decode_shapes) :]
             for op, shape in work:
                 try:
                     row = bench_one(label, backend, op, shape, gen, copy_bw)

@@ -1,15 +1,26 @@
 #!/usr/bin/env bash
-# One GPU session, time-boxed: kernel benchmark, end-to-end generate benchmark, all GPU tests.
-# Run on the GPU machine from the project root, after `source .gpu/setup.sh`; results go to $OUT.
-#   QUICK=1 bash benchmarks/run_gpu.sh      # shorter: quick kernel shapes, batch 1 only
+# One GPU session, in two calls of under 10 minutes each (run from the project root on the GPU
+# machine after `source .gpu/setup.sh`; results go to $OUT):
+#   bash benchmarks/run_gpu.sh tests   # every `gpu` test, soak included (ATTNGRAPH_GPU_SOAK_STEPS)
+#   bash benchmarks/run_gpu.sh bench   # kernel benchmark, then end-to-end generate benchmark
+#   QUICK=1 ...                        # shorter benchmark: quick kernel shapes, batch 1 only
 set -u
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
+stage=${1:-all}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/device.txt" 2>&1
-if [ "${QUICK:-0}" = 1 ]; then ATT="--quick"; BATCHES=1; else ATT=""; BATCHES=1,8; fi
-timeout 150 python3 benchmarks/bench_attention.py $ATT --backends flashinfer,triton \
-    --out "$OUT/attention.json" > "$OUT/bench_attention.md" 2>&1
-timeout 300 python3 benchmarks/bench_generate.py --backends flashinfer,triton --batches $BATCHES --hf-static \
-    --out "$OUT/generate.json" > "$OUT/bench_generate.md" 2>&1
-timeout 240 python3 -m pytest -q -m gpu --durations=10 tests/ > "$OUT/gpu_tests.log" 2>&1
+if [ "$stage" = tests ] || [ "$stage" = all ]; then
+    ATTNGRAPH_GPU_SOAK_STEPS=${ATTNGRAPH_GPU_SOAK_STEPS:-4000} timeout ${TEST_TIMEOUT:-540} \
+        python3 -m pytest -q -m gpu -rfEs --durations=15 -p no:cacheprovider tests/ > "$OUT/gpu_tests.log" 2>&1
+    echo "tests rc=$?" >> "$OUT/device.txt"
+fi
+if [ "$stage" = bench ] || [ "$stage" = all ]; then
+    if [ "${QUICK:-0}" = 1 ]; then ATT="--quick"; BATCHES=1; else ATT=""; BATCHES=1,8; fi
+    timeout 200 python3 benchmarks/bench_attention.py $ATT --backends flashinfer,triton \
+        --out "$OUT/attention.json" > "$OUT/bench_attention.md" 2> "$OUT/bench_attention.log"
+    echo "bench_attention rc=$?" >> "$OUT/device.txt"
+    timeout 360 python3 benchmarks/bench_generate.py --backends flashinfer,triton --batches $BATCHES --hf-static \
+        --out "$OUT/generate.json" > "$OUT/bench_generate.md" 2>&1
+    echo "bench_generate rc=$?" >> "$OUT/device.txt"
+fi
 echo "done" >> "$OUT/device.txt"

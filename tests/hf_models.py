@@ -76,6 +76,11 @@ ARCHS: dict[str, tuple[str, dict, tuple[str, ...]]] = {
         dict(num_kv_heads=2, new_decoder_architecture=True, alibi=False, bos_token_id=1, eos_token_id=2),
         BOTH,
     ),
+    "falcon_multi_query": (  # 7B layout: one KV head broadcast over the query heads, whatever num_kv_heads says
+        "FalconConfig",
+        dict(multi_query=True, new_decoder_architecture=False, alibi=False, bos_token_id=1, eos_token_id=2),
+        BOTH,
+    ),
     "stablelm": ("StableLmConfig", dict(num_key_value_heads=2, qk_layernorm=True, use_qkv_bias=True), BOTH),
     "olmo2": ("Olmo2Config", dict(num_key_value_heads=2, pad_token_id=0, eos_token_id=2), BOTH),
     "granite": (  # attention_multiplier is the scale
@@ -104,3 +109,17 @@ def build_model(arch: str, impl: str, seed: int = 0, dtype: torch.dtype = torch.
 
 def arch_impl_params():
     return [(a, i) for a, (_, _, impls) in ARCHS.items() for i in impls]
+
+
+def gpu_model(arch: str, dtype: torch.dtype, seed: int = 0):
+    """``(model, reference)`` on CUDA: the tiny config widened to head dim 64 (FlashInfer's
+    prebuilt kernels serve it; 4 query heads), ``model`` in ``dtype`` and ``reference`` in
+    float32 holding exactly the same (rounded) weights."""
+    cfg = tiny_config(arch)
+    cfg.hidden_size, cfg.head_dim = 256, 64
+    torch.manual_seed(seed)
+    reference = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").cuda().eval()
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype).cuda().eval()
+    model.load_state_dict(reference.state_dict())
+    reference.load_state_dict(model.state_dict())  # the reference holds the rounded weights
+    return model, reference

@@ -88,6 +88,8 @@ INT_WORKSPACE_BYTES = 8 * 1024 * 1024
 #: GQA group size above which decode uses the tensor-core (prefill-style) kernel.
 TENSOR_CORE_MIN_GROUP = 5
 EXTEND_IMPLS = ("paged", "ragged_merge")
+#: KV tokens per split when ``deterministic=True`` (converted to pages at plan time).
+DETERMINISTIC_SPLIT_TOKENS = 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,8 +165,28 @@ class FlashInferBackend(AttentionBackend):
         graph_support={"decode": GraphSupport.FULL, "extend": GraphSupport.PIECEWISE},
     )
 
-    def __init__(self, spec=None, extend_impl: str | None = None) -> None:
+    def __init__(
+        self,
+        spec=None,
+        extend_impl: str | None = None,
+        decode_tensor_cores: bool | None = None,
+        deterministic: bool = False,
+    ) -> None:
         super().__init__(spec)
+        if decode_tensor_cores is None and os.environ.get("ATTNGRAPH_FLASHINFER_DECODE_TC"):
+            decode_tensor_cores = os.environ["ATTNGRAPH_FLASHINFER_DECODE_TC"] == "1"
+        if deterministic:
+            if decode_tensor_cores is False:
+                raise ValueError("deterministic=True needs the tensor-core decode (fixed KV split size)")
+            decode_tensor_cores = True
+            extend_impl = "paged"
+        #: Batch-invariant results: every plan splits the KV at a fixed number of pages
+        #: (``DETERMINISTIC_SPLIT_TOKENS``), so a request's reduction order does not depend on
+        #: the rest of the batch. FlashInfer supports the fixed split in its tensor-core decode
+        #: and prefill kernels only, hence tensor cores on.
+        self.deterministic = bool(deterministic)
+        #: None: tensor-core decode for GQA groups >= TENSOR_CORE_MIN_GROUP; True / False: always / never.
+        self.decode_tensor_cores = decode_tensor_cores
         extend_impl = extend_impl or os.environ.get("ATTNGRAPH_FLASHINFER_EXTEND", "paged")
         if extend_impl not in EXTEND_IMPLS:
             raise ValueError(f"extend_impl must be one of {EXTEND_IMPLS}, got {extend_impl!r}")
@@ -194,6 +216,17 @@ class FlashInferBackend(AttentionBackend):
         for layer in layers:
             self._kinds.setdefault((_Kind.of(layer, decode=True), True), None)
             self._kinds.setdefault((_Kind.of(layer, decode=False), False), None)
+
+    def _tensor_cores(self, kind: _Kind) -> bool:
+        """Whether decode of ``kind`` uses FlashInfer's tensor-core (prefill-style) kernel."""
+        if self.decode_tensor_cores is not None:
+            return self.decode_tensor_cores
+        return kind.gqa_group >= TENSOR_CORE_MIN_GROUP
+
+    def _split_kwargs(self, page_size: int) -> dict:
+        if not self.deterministic:
+            return {}
+        return dict(fixed_split_size=max(1, DETERMINISTIC_SPLIT_TOKENS // page_size))
 
     def _workspace_on(self, device: torch.device) -> torch.Tensor:
         if self._workspace is None:
@@ -238,7 +271,7 @@ class FlashInferBackend(AttentionBackend):
             ws = self._workspace
             w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 ws, "NHD", use_cuda_graph=True,
-                use_tensor_cores=kind.gqa_group >= TENSOR_CORE_MIN_GROUP,
+                use_tensor_cores=self._tensor_cores(kind),
                 paged_kv_indptr_buffer=self._g_indptr[: bs + 1],
                 paged_kv_indices_buffer=self._g_indices,
                 paged_kv_last_page_len_buffer=self._g_last[:bs],
@@ -337,13 +370,13 @@ class FlashInferBackend(AttentionBackend):
             w = self._decode.get(kind)
             if w is None:
                 w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                    self._workspace, "NHD", use_tensor_cores=kind.gqa_group >= TENSOR_CORE_MIN_GROUP
+                    self._workspace, "NHD", use_tensor_cores=self._tensor_cores(kind)
                 )
                 self._decode[kind] = w
         w.plan(
             meta.kv_indptr_h, meta.kv_indices[: meta.total_pages], meta.kv_last_h,
             kind.num_q_heads, kind.num_kv_heads, kind.head_dim, meta.page_size,
-            non_blocking=True, **kind.plan_kwargs(meta.dtype),
+            non_blocking=True, **kind.plan_kwargs(meta.dtype), **self._split_kwargs(meta.page_size),
         )
         return w
 
@@ -352,7 +385,7 @@ class FlashInferBackend(AttentionBackend):
             meta.qo_indptr_h, indptr_h, indices, last_h,
             kind.num_q_heads, kind.num_kv_heads, kind.head_dim, meta.page_size,
             head_dim_vo=kind.v_head_dim, causal=causal, non_blocking=True,
-            **kind.plan_kwargs(meta.dtype),
+            **kind.plan_kwargs(meta.dtype), **self._split_kwargs(meta.page_size),
         )
 
     def _plan_paged_prefill(self, meta: _StepMeta, kind: _Kind):

@@ -159,7 +159,7 @@ def case_id(c):
     )
 
 
-def run_case(c, mode, extend_impl="paged"):
+def run_case(c, mode, extend_impl="paged", **backend_options):
     gen = torch.Generator().manual_seed(zlib.crc32(f"{mode}{extend_impl}{case_id(c)}".encode()))
     fmode = ForwardMode.DECODE if mode == "decode" else ForwardMode.EXTEND
     step = make_step(
@@ -167,7 +167,7 @@ def run_case(c, mode, extend_impl="paged"):
         prefix_lens=c["prefix"], extend_lens=c["ext"], mode=fmode,
     )
     layer = AttentionLayer(0, c["hq"], c["hkv"], c["d"], c["d"], c["scale"], True, c["window"], c["cap"])
-    backend = get_backend(extend_impl=extend_impl)
+    backend = get_backend(extend_impl=extend_impl, **backend_options)
     poison_allocator()
     backend.init_forward_metadata(step.batch)
     out = backend.forward(step.q, step.k, step.v, layer, step.batch)
@@ -180,6 +180,19 @@ def run_case(c, mode, extend_impl="paged"):
 @pytest.mark.parametrize("c", sample_cases("decode"), ids=case_id)
 def test_decode(c):
     run_case(c, "decode")
+
+
+@pytest.mark.parametrize("c", sample_cases("decode", seed=1)[::2], ids=case_id)
+def test_decode_tensor_cores(c):
+    """The tensor-core (prefill-style) decode kernel, forced on whatever the GQA group."""
+    run_case(c, "decode", decode_tensor_cores=True)
+
+
+@pytest.mark.parametrize("mode", ["decode", "extend_prefix"])
+def test_deterministic_fixed_split(mode):
+    """``deterministic=True``: fixed KV split size (tensor-core decode); still right."""
+    for c in sample_cases(mode, seed=2)[:3]:
+        run_case(c, mode, deterministic=True)
 
 
 @pytest.mark.parametrize("c", sample_cases("extend"), ids=case_id)
@@ -221,8 +234,8 @@ def test_two_layer_kinds_planned_once_per_step():
         assert len(plans) == 2 and len(set(plans)) == 2
 
 
-@pytest.mark.parametrize("group,window", [(4, 64), (8, -1)])
-def test_decode_cuda_graph_replay(group, window):
+@pytest.mark.parametrize("group,window,options", [(4, 64, {}), (8, -1, {}), (4, -1, {"deterministic": True})])
+def test_decode_cuda_graph_replay(group, window, options):
     """FULL decode graph: capture once, then per step refresh the metadata out of the graph
     (plan) and replay (metadata kernel + attention) with new rows, lengths and pages."""
     d, hkv, bsz, page_size, max_len = 128, 4, 8, 16, 600
@@ -239,7 +252,7 @@ def test_decode_cuda_graph_replay(group, window):
                          mode=ForwardMode.DECODE, pool=pool)
 
     static = step_in_pool()
-    backend = get_backend()
+    backend = get_backend(**options)
     backend.set_layer_kinds([layer])
     backend.init_cuda_graph_state(max_bs=bsz, max_num_tokens=bsz)
     backend.init_forward_metadata_out_graph(static.batch, in_capture=True)

@@ -8,7 +8,10 @@
   attention backend does. The decode attention of every layer is captured inside a batched
   model step (the real q and the real pool) and replayed for one request alone.
 
-torch_native runs on the CPU; Triton runs in Triton's interpreter (short runs).
+torch_native runs on the CPU; Triton runs in Triton's interpreter (short runs). On a CUDA
+machine (``gpu`` tests) Triton and FlashInfer run in bf16 with the decode CUDA graphs on for
+the repeated runs, and with request lengths above FlashInfer's deterministic split (2048 tokens)
+for the alone-vs-batched check.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from attngraph.attn_backends.torch_native import TorchNativeBackend
 from attngraph.runtime.forward_batch import ForwardBatch, ForwardMode
 from attngraph.runtime.model_runner import ModelRunner
 
-from ..hf_models import build_model
+from ..hf_models import build_model, gpu_model
 
 BACKENDS = ["torch_native", "triton"]
 
@@ -59,10 +62,8 @@ def backend_name(request):
 
 
 def make_runner(model, backend: str, deterministic: bool = True, **options) -> ModelRunner:
-    cfg = CompileConfig(
-        attention_backend=backend, deterministic=deterministic, page_size=4, kv_cache_tokens=1024,
-        max_context_len=512, **options,
-    )  # fmt: skip
+    options = {"page_size": 4, "kv_cache_tokens": 1024, "max_context_len": 512, **options}
+    cfg = CompileConfig(attention_backend=backend, deterministic=deterministic, **options)
     runner = ModelRunner(model, cfg)
     runner.warmup()
     return runner
@@ -70,7 +71,7 @@ def make_runner(model, backend: str, deterministic: bool = True, **options) -> M
 
 def check_plumbed(runner: ModelRunner, deterministic: bool) -> None:
     """The config's flag reached the backend (backends without the option ignore it)."""
-    if runner.config.attention_backend == "triton":
+    if runner.config.attention_backend in ("triton", "flashinfer"):
         assert getattr(runner.backend, "deterministic", None) is deterministic, (
             f"CompileConfig(deterministic={deterministic}) did not reach {type(runner.backend).__name__}"
         )
@@ -163,15 +164,16 @@ def capture_decode(runner: ModelRunner):
     return calls
 
 
-def alone_vs_batched(backend_name: str, deterministic: bool, seed: int):
-    """Decode attention outputs of request 0 (300 cached keys: several KV splits) inside a
+def alone_vs_batched(backend_name: str, deterministic: bool, seed: int, model=None, lens=(300, 37, 140, 9), **options):
+    """Decode attention outputs of request 0 (``lens[0]`` cached keys: several KV splits) inside a
     4-request decode step, and the same attention replayed for request 0 alone."""
     g = torch.Generator().manual_seed(seed)
-    model = build_model("llama", "sdpa", seed=seed % 1000)
-    runner = make_runner(model, backend_name, deterministic=deterministic)
+    if model is None:
+        model = build_model("llama", "sdpa", seed=seed % 1000)
+    runner = make_runner(model, backend_name, deterministic=deterministic, **options)
     check_plumbed(runner, deterministic)
     pool = runner.pool
-    lens = [300, 37, 140, 9]
+    lens = list(lens)
     toks = [torch.randint(0, model.config.vocab_size, (n + 1,), generator=g) for n in lens]
     rows = [pool.alloc_request() for _ in lens]
     pool.reserve(rows, [n + 1 for n in lens])
@@ -209,4 +211,58 @@ def test_decode_alone_and_in_a_batch_are_bit_identical(backend_name):
     for layer_id, (together, alone) in enumerate(results):
         assert torch.equal(together, alone), (
             f"seed={seed} layer {layer_id}: alone vs batched differ by {(together - alone).abs().max().item():.3g}"
+        )
+
+
+# ------------------------------------------------------------------------------------ GPU
+GPU_BACKENDS = ["triton", "flashinfer"]
+
+
+def _gpu_backend(name: str) -> str:
+    if name == "flashinfer":
+        pytest.importorskip("flashinfer")
+    return name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_repeated_runs_are_bit_identical(backend):
+    """Mixed prefill / decode schedule in bf16, decode steps through the CUDA graphs."""
+    _gpu_backend(backend)
+    seed = random.SystemRandom().randrange(2**31)
+    rng = random.Random(seed)
+    model, reference = gpu_model("mistral", torch.bfloat16, seed=seed % 1000)  # sliding window 8
+    tokens, steps = random_schedule(rng, model.config.vocab_size, 6, 40, 60)
+    opts = dict(cuda_graph="full", cuda_graph_capture_sizes=(1, 2, 4, 8))
+    runner = make_runner(model, backend, **opts)
+    check_plumbed(runner, True)
+    assert runner.graphs is not None
+    first = run_schedule(runner, tokens, steps)
+    again = run_schedule(runner, tokens, steps, shift_pages=3)
+    assert_bit_identical(first, again, f"{backend} seed={seed}, same runner, other pages")
+    fresh = make_runner(model, backend, **opts)
+    assert_bit_identical(first, run_schedule(fresh, tokens, steps, shift_pages=1), f"{backend} seed={seed}, fresh runner")
+    r, _ = steps[-1][-1]
+    with torch.no_grad():
+        seq = tokens[r][: sum(n for s in steps for q, n in s if q == r)]
+        want = reference(input_ids=torch.tensor([seq], device="cuda")).logits[0, -1]
+    err = (first[-1][-1].float() - want).abs().max().item()
+    assert err <= 0.05 * want.abs().max().item(), f"{backend} seed={seed}: last logits off by {err:.4g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_decode_alone_and_in_a_batch_are_bit_identical(backend):
+    """Request 0 holds 5000 keys: several splits for both backends' deterministic split sizes."""
+    _gpu_backend(backend)
+    seed = random.SystemRandom().randrange(2**31)
+    model, _ = gpu_model("llama", torch.bfloat16, seed=seed % 1000)
+    model.config.max_position_embeddings = 8192
+    runner, results = alone_vs_batched(
+        backend, True, seed, model=model, lens=(5000, 37, 2100, 9), cuda_graph="none", max_context_len=8192,
+        kv_cache_tokens=16384,
+    )
+    for layer_id, (together, alone) in enumerate(results):
+        assert torch.equal(together, alone), (
+            f"{backend} seed={seed} layer {layer_id}: alone vs batched differ by {(together - alone).abs().max().item():.3g}"
         )

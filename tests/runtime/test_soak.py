@@ -18,6 +18,12 @@ fails at the step that produced it.
 ``ATTNGRAPH_SOAK_STEPS=20000``). The Triton variant runs the kernels in Triton's interpreter
 on the CPU, about 1.3 s per step, so it takes ``ATTNGRAPH_TRITON_SOAK_STEPS`` (default 12)
 steps. ``ATTNGRAPH_SOAK_SEED`` replays a failing run (the seed is in every failure message).
+
+On a CUDA machine (tests marked ``gpu``) the same soak runs the real kernels with the decode
+CUDA graphs on (capture sizes 1, 2, 3, 4, 8: batches of 5..7 replay a padded graph), with a
+head dim of 64 so that FlashInfer's prebuilt kernels serve it: Triton in float32 (tight
+tolerance) and FlashInfer in bfloat16 (against an fp32 copy of the same weights, within bf16
+tolerance). ``ATTNGRAPH_GPU_SOAK_STEPS`` steps per case (default 2000).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from attngraph import CompileConfig, KVCacheFullError
 from attngraph.runtime.forward_batch import ForwardBatch, ForwardMode
 from attngraph.runtime.model_runner import ModelRunner
 
-from ..hf_models import build_model
+from ..hf_models import build_model, gpu_model
 
 SOAK_STEPS = int(os.environ.get("ATTNGRAPH_SOAK_STEPS", "1200"))
 #: Steps of the Triton variant (the kernels run in Triton's interpreter on the CPU).
@@ -41,6 +47,7 @@ TRITON_SOAK_STEPS = int(os.environ.get("ATTNGRAPH_TRITON_SOAK_STEPS", "12"))
 MAX_PROMPT = 40
 MAX_DECODE = 24
 MAX_REQUESTS = 8  # rows of the request table (arrivals now and then try for one more)
+GPU_SOAK_STEPS = int(os.environ.get("ATTNGRAPH_GPU_SOAK_STEPS", "2000"))
 ATOL = 1e-4
 
 
@@ -72,8 +79,11 @@ class Request:
 
 
 class Soak:
-    def __init__(self, model, runner: ModelRunner, seed: int) -> None:
+    def __init__(self, model, runner: ModelRunner, seed: int, reference=None, atol: float = ATOL) -> None:
         self.model, self.runner, self.pool = model, runner, runner.pool
+        self.reference = reference if reference is not None else model  # float32, same weights
+        self.atol = atol
+        self.device = next(model.parameters()).device
         self.rng = random.Random(seed)
         self.seed = seed
         self.vocab = model.config.vocab_size
@@ -84,7 +94,7 @@ class Soak:
     # ------------------------------------------------------------------ reference
     def hf_logits(self, tokens: list[int]) -> torch.Tensor:
         with torch.no_grad():
-            return self.model(input_ids=torch.tensor([tokens])).logits[0]
+            return self.reference(input_ids=torch.tensor([tokens], device=self.device)).logits[0].float()
 
     def where(self, req: Request, step: int) -> str:
         return (
@@ -92,18 +102,29 @@ class Soak:
             f"page_size={self.pool.page_size})"
         )
 
+    def close(self, got: torch.Tensor, want: torch.Tensor, where: str) -> None:
+        got = got.float()
+        if self.atol is not None:  # float32 runs
+            torch.testing.assert_close(got, want, atol=self.atol, rtol=self.atol, msg=lambda m: f"{where}: {m}")
+            return
+        # bf16 runs against the fp32 reference: within bf16 rounding of the logits' scale
+        # (a wrong page, position or mask moves the logits by about their own scale).
+        scale = want.abs().max().item()
+        err = (got - want).abs()
+        assert err.max().item() <= 0.05 * scale and err.mean().item() <= 0.01 * scale, (
+            f"{where}: max err {err.max().item():.4g}, mean err {err.mean().item():.4g}, logit scale {scale:.4g}"
+        )
+
     def check_now(self, req: Request, step: int, got: torch.Tensor) -> None:
         want = self.hf_logits(req.tokens[: req.cached])[-1]
-        torch.testing.assert_close(got, want, atol=ATOL, rtol=ATOL, msg=lambda m: f"{self.where(req, step)}: {m}")
+        self.close(got, want, self.where(req, step))
 
     def check_all(self, req: Request) -> None:
         if not req.seen:
             return
         ref = self.hf_logits(req.tokens[: req.cached])
         for step, pos, got in req.seen:
-            torch.testing.assert_close(
-                got, ref[pos], atol=ATOL, rtol=ATOL, msg=lambda m: f"{self.where(req, step)} position {pos}: {m}"
-            )
+            self.close(got, ref[pos], f"{self.where(req, step)} position {pos}")
         self.stats["checked"] += len(req.seen)
 
     # ------------------------------------------------------------------ lifecycle
@@ -178,8 +199,9 @@ class Soak:
         if chosen and any(is_decode) and not all(is_decode):
             mode = ForwardMode.MIXED
         batch = ForwardBatch.build(
-            self.pool, rows, [r.cached for r in chosen], extend_lens, torch.tensor(input_ids, dtype=torch.long), mode=mode
-        )
+            self.pool, rows, [r.cached for r in chosen], extend_lens,
+            torch.tensor(input_ids, dtype=torch.long, device=self.device), mode=mode,
+        )  # fmt: skip
         self.stats[batch.mode.value] += 1
         logits = self.runner.forward(batch)
         assert logits.shape == (len(chosen), self.vocab), (logits.shape, self.where(chosen[0], step) if chosen else step)
@@ -205,20 +227,31 @@ class Soak:
         return self.stats
 
 
-def soak(arch: str, backend: str, page_size: int, steps: int) -> dict:
-    model = build_model(arch, "sdpa", seed=random.SystemRandom().randrange(1000))
+def soak(arch: str, backend: str, page_size: int, steps: int, device: str = "cpu", dtype=torch.float32) -> dict:
+    model_seed = random.SystemRandom().randrange(1000)
+    extra = {}
+    if device == "cpu":
+        model = reference = build_model(arch, "sdpa", seed=model_seed)
+        atol = ATOL
+    else:
+        model, reference = gpu_model(arch, dtype, model_seed)
+        atol = 2e-3 if dtype == torch.float32 else None  # inductor's fp32 GEMMs and reductions
+        extra = dict(cuda_graph="full", cuda_graph_capture_sizes=(1, 2, 3, 4, 8))
     cfg = CompileConfig(
         attention_backend=backend,
         page_size=page_size,
         kv_cache_tokens=192,  # fills up now and then
         max_requests=MAX_REQUESTS,
         max_context_len=128,
+        **extra,
     )
     runner = ModelRunner(model, cfg)
     runner.warmup()
+    if device == "cuda":
+        assert runner.graphs is not None, "the GPU soak must run the decode CUDA graphs"
     seed = _seed()
-    stats = Soak(model, runner, seed).run(steps)
-    print(f"soak {arch} {backend} page_size={page_size} seed={seed}: {stats}")
+    stats = Soak(model, runner, seed, reference=reference, atol=atol).run(steps)
+    print(f"soak {arch} {backend} {device} {dtype} page_size={page_size} model_seed={model_seed} seed={seed}: {stats}")
     pool = runner.pool
     assert pool.num_used_pages == 0, f"seed={seed}: {pool.num_used_pages} pages still in use"
     assert pool.num_active_requests == 0, f"seed={seed}: {pool.num_active_requests} requests still active"
@@ -255,4 +288,17 @@ def triton_on_cpu(monkeypatch):
 def test_soak_triton(triton_on_cpu):
     """Mistral (sliding window) with 4-token pages; a short run: the interpreter is slow."""
     stats = soak("mistral", "triton", 4, TRITON_SOAK_STEPS)
+    assert stats["checked"] >= stats["steps"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "backend, dtype, page_size",
+    [("triton", torch.float32, 1), ("triton", torch.float32, 16), ("flashinfer", torch.bfloat16, 16)],
+)
+def test_soak_gpu(backend, dtype, page_size):
+    """Mistral (sliding window 8) on the GPU, the real kernels, decode through CUDA graphs."""
+    if backend == "flashinfer":
+        pytest.importorskip("flashinfer")
+    stats = soak("mistral", backend, page_size, GPU_SOAK_STEPS, device="cuda", dtype=dtype)
     assert stats["checked"] >= stats["steps"]
