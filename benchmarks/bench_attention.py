@@ -118,9 +118,9 @@ def make_step(batch: int, new: int, prefix: int, mode: ForwardMode, gen: torch.G
 
 
 def make_backend(name: str):
-    """(label, backend) pairs for ``name``. FlashInfer three times: the default, decode with
-    tensor cores forced on (``[tc]``: decode only; the default turns them on above GQA group 4),
-    and the ragged + merge extend design (``[ragged_merge]``: prefill only)."""
+    """(label, backend) pairs for ``name``. FlashInfer four times: the default (tensor-core decode
+    from GQA group 4, extend design chosen per step), ``[no_tc]`` (CUDA-core decode kernel: decode
+    only), ``[paged]`` and ``[ragged_merge]`` (one extend design forced: prefill only)."""
     spec = ModelAttentionSpec(1, HQ, HKV, (D,), DTYPE, "cuda", PAGE)
     cls = get_backend_class(name)  # BackendUnavailableError when it cannot load
     why = cls.capabilities.why_not(spec)
@@ -129,7 +129,8 @@ def make_backend(name: str):
     if name == "flashinfer":
         return [
             ("flashinfer", cls(spec)),
-            ("flashinfer[tc]", cls(spec, decode_tensor_cores=True)),
+            ("flashinfer[no_tc]", cls(spec, decode_tensor_cores=False)),
+            ("flashinfer[paged]", cls(spec, extend_impl="paged")),
             ("flashinfer[ragged_merge]", cls(spec, extend_impl="ragged_merge")),
         ]
     return [(name, cls(spec))]
@@ -205,9 +206,9 @@ def main() -> None:
             continue
         for label, backend in backends:
             work = [("decode", s) for s in decode_shapes] + [("prefill", s) for s in prefill_shapes]
-            if label.endswith("[tc]"):  # differs from the default in decode only
+            if label.endswith("[no_tc]"):  # differs from the default in decode only
                 work = work[: len(decode_shapes)]
-            elif label.endswith("[ragged_merge]"):  # differs in prefill only
+            elif label.endswith("_merge]") or label.endswith("[paged]"):  # differs in prefill only
                 work = work[len(decode_shapes) :]
             for op, shape in work:
                 try:

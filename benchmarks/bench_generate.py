@@ -57,7 +57,7 @@ def prompts(vocab: int, batch: int, length: int) -> tuple[torch.Tensor, torch.Te
 
 def timed(model, ids, mask, new_tokens: int, **extra) -> tuple[torch.Tensor, float]:
     kw = dict(attention_mask=mask, do_sample=False, pad_token_id=0, eos_token_id=None, **extra)
-    model.generate(ids, max_new_tokens=3, **kw)
+    model.generate(ids, max_new_tokens=new_tokens, **kw)  # warm-up at the timed length (compiles, caches)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     out = model.generate(ids, max_new_tokens=new_tokens, **kw)
@@ -106,7 +106,8 @@ def main() -> None:
                     out, t = timed(model, ids, mask, args.new_tokens, cache_implementation="static")
                     gen, ref = out[:, ids.shape[1]:], refs[b][:, ids.shape[1]:]
                     rows.append(dict(impl="HF static cache + torch.compile", batch=b, ms_per_token=t * 1e3,
-                                     token_match=float((gen == ref).float().mean())))
+                                     token_match=float((gen == ref).float().mean()),
+                                     teacher_forced_agreement=teacher_forced_agreement(model, None, out, ids.shape[1], mask)))
                 except Exception as exc:
                     rows.append(dict(impl="HF static cache + torch.compile", error=f"{type(exc).__name__}: {exc}"[:500]))
                 print(rows[-1], flush=True)

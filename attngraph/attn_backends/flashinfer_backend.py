@@ -23,7 +23,10 @@ planning a new kind during CUDA-graph capture is impossible and raises `CaptureE
 
 Decode
 ------
-``BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=gqa_group > 4)``.
+``BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=gqa_group >= 4)``: at
+group 4 the tensor-core kernel reads the KV cache at 98% of copy bandwidth on the H200 against
+65% for the CUDA-core one (``decode_tensor_cores=`` or ``ATTNGRAPH_FLASHINFER_DECODE_TC=0|1``
+override the rule).
 After `init_cuda_graph_state`, batch sizes that are captured use wrappers built with
 ``use_cuda_graph=True`` whose indptr / indices / last_page_len buffers are views of buffers
 preallocated here (one wrapper per (batch size, kind); one int workspace per kind, shared by
@@ -32,8 +35,8 @@ The runner must hand ``init_forward_metadata_*`` the *padded* batch (``seq_lens_
 included, padding requests of length ``cuda_graph_seq_len_fill_value`` on a row whose first
 page is the dummy page).
 
-Extend: design (b) by default, (a) switchable
----------------------------------------------
+Extend: chosen per step by measurement
+--------------------------------------
 (b) ``"paged"``: write the new K/V into the pool first, then ONE
 ``BatchPrefillWithPagedKVCacheWrapper`` run over each request's whole paged KV with
 ``causal=True``. FlashInfer aligns causal masks bottom-right (query ``i`` of a request with
@@ -50,8 +53,21 @@ among the prebuilt kernels and would JIT on a fresh machine. (a) reads the new t
 from the contiguous ``k``/``v`` inputs instead of through the page table, which can win for
 long new segments on short prefixes, at the cost of two kernels, two plans and a merge; its
 prefix part sees positions shifted by the extend length, so a sliding window would need a
-custom mask: window kinds always use (b). Choose with ``extend_impl=`` or the environment
-variable ``ATTNGRAPH_FLASHINFER_EXTEND`` (``paged`` | ``ragged_merge``).
+custom mask: window kinds always use (b).
+
+Measured on the H200 (bf16, 32/8 heads, d128; benchmarks/BENCHMARKS.md): with no cached prefix
+the ragged kernel alone is faster (4 x 2048 new tokens: 559 vs 460 TFLOP/s; 1 x 8192: 666 vs
+560); over a long cached prefix (4 x 512 new on 3584 cached) (b) wins by 2x (552 vs 271) since
+(a) runs two kernels and a merge. So the default ``"auto"`` takes the ragged kernel for steps in
+which no request has a cached prefix (no merge needed) and (b) otherwise. ``extend_impl=`` or
+``ATTNGRAPH_FLASHINFER_EXTEND`` (``auto`` | ``paged`` | ``ragged_merge``) force one design.
+
+Determinism
+-----------
+``deterministic=True`` (from ``CompileConfig.deterministic``) plans every decode and paged
+prefill with ``fixed_split_size`` (``DETERMINISTIC_SPLIT_TOKENS`` worth of pages), so a
+request's KV is split and reduced the same way whatever else is in the batch; FlashInfer honours
+a fixed split in its tensor-core kernels only, so decode uses them, and extend uses design (b).
 
 Dense (stateless) form
 ----------------------
@@ -85,9 +101,11 @@ logger = logging.getLogger(__name__)
 WORKSPACE_BYTES = 128 * 1024 * 1024
 #: Int workspace (plan info) of one wrapper: FlashInfer's own default size.
 INT_WORKSPACE_BYTES = 8 * 1024 * 1024
-#: GQA group size above which decode uses the tensor-core (prefill-style) kernel.
-TENSOR_CORE_MIN_GROUP = 5
-EXTEND_IMPLS = ("paged", "ragged_merge")
+#: Smallest GQA group whose decode uses the tensor-core (prefill-style) kernel. Measured on the
+#: H200 (benchmarks/BENCHMARKS.md): at group 4, bf16, d128, 64 x 2048 tokens, the tensor-core
+#: kernel reads KV at 98% of copy bandwidth against 65% for the CUDA-core decode kernel.
+TENSOR_CORE_MIN_GROUP = 4
+EXTEND_IMPLS = ("auto", "paged", "ragged_merge")
 #: KV tokens per split when ``deterministic=True`` (converted to pages at plan time).
 DETERMINISTIC_SPLIT_TOKENS = 2048
 
@@ -149,6 +167,7 @@ class _StepMeta:
     prefix: tuple | None = None  # (indptr_h, last_h, total, indptr, indices, last) or None
     has_prefix_tok: torch.Tensor | None = None  # [T] bool
     planned: dict = dataclasses.field(default_factory=dict)  # _Kind -> wrapper(s)
+    ragged: bool = False  # extend through the ragged wrapper (design (a)) this step
 
 
 class FlashInferBackend(AttentionBackend):
@@ -187,7 +206,7 @@ class FlashInferBackend(AttentionBackend):
         self.deterministic = bool(deterministic)
         #: None: tensor-core decode for GQA groups >= TENSOR_CORE_MIN_GROUP; True / False: always / never.
         self.decode_tensor_cores = decode_tensor_cores
-        extend_impl = extend_impl or os.environ.get("ATTNGRAPH_FLASHINFER_EXTEND", "paged")
+        extend_impl = extend_impl or os.environ.get("ATTNGRAPH_FLASHINFER_EXTEND", "auto")
         if extend_impl not in EXTEND_IMPLS:
             raise ValueError(f"extend_impl must be one of {EXTEND_IMPLS}, got {extend_impl!r}")
         self.extend_impl = extend_impl
@@ -313,7 +332,10 @@ class FlashInferBackend(AttentionBackend):
             torch.cumsum(batch.extend_seq_lens_cpu.to(torch.int32), 0, out=qo_indptr_h[1:])
             meta.qo_indptr_h = qo_indptr_h
             if self.extend_impl == "ragged_merge":
+                meta.ragged = True
                 self._init_prefix_meta(meta, batch)
+            elif self.extend_impl == "auto":  # ragged only when no request has a cached prefix
+                meta.ragged = not bool((batch.extend_prefix_lens_cpu > 0).any())
         self._meta = meta
         for kind, kind_decode in list(self._kinds):
             if kind_decode == decode:
@@ -356,7 +378,7 @@ class FlashInferBackend(AttentionBackend):
         """Plan ``kind`` for this step (host work only) and remember the wrapper(s)."""
         if meta.mode is ForwardMode.DECODE:
             planned = self._plan_decode(meta, kind)
-        elif self.extend_impl == "ragged_merge" and kind.window_left < 0:
+        elif meta.ragged and kind.window_left < 0:
             planned = self._plan_ragged_merge(meta, kind)
         else:
             planned = self._plan_paged_prefill(meta, kind)

@@ -54,14 +54,14 @@ def attention(
     ctx = get_forward_context()
     if ctx is not None and ctx.batch is not None:
         n = ctx.batch.num_tokens
-        if q.shape[0] == n:
-            return ctx.backend.forward(q, k, v, layer, ctx.batch)
+        if q.shape[0] == n:  # contiguous, as the fake promises (a no-op for the GPU kernels)
+            return ctx.backend.forward(q, k, v, layer, ctx.batch).contiguous()
         # Rows past the batch's tokens pad the graph input (see RaggedModel): zero output, no K/V.
         out = q.new_zeros((q.shape[0], q.shape[1], v.shape[2]))
         out[:n] = ctx.backend.forward(q[:n], k[:n], v[:n], layer, ctx.batch)
         return out
     backend = ctx.backend if ctx is not None else _reference_backend()
-    return backend.forward_dense(q, k, v, layer, batch_size)
+    return backend.forward_dense(q, k, v, layer, batch_size).contiguous()
 
 
 @attention.register_fake

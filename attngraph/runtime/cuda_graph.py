@@ -5,8 +5,8 @@ real batch is copied into static buffers, padded up to the next captured size, t
 plans on the host (`init_forward_metadata_out_graph`), and the graph replays, which re-runs
 the backend's recorded device metadata work (`init_forward_metadata_in_graph`).
 
-Padding requests sit on a reserved request row that owns no pages (its table row is all
-zeros, the dummy page), have length ``cuda_graph_seq_len_fill_value`` and write their K/V to
+Padding requests sit on the pool's ``pad_row``, a request row beyond ``max_requests`` that is
+never handed out and owns no pages (its table row is all zeros, the dummy page), have length ``cuda_graph_seq_len_fill_value`` and write their K/V to
 slot 0 of the dummy page. Sizes are captured largest first into one shared memory pool.
 """
 
@@ -40,15 +40,15 @@ class DecodeGraphRunner:
         self.runner = runner
         self.backend = runner.backend
         pool = runner.pool
-        self.sizes = sorted(s for s in capture_sizes if s <= pool.max_requests - 1)
+        self.sizes = sorted(s for s in capture_sizes if s <= pool.max_requests)
         if not self.sizes:
-            raise CaptureError(f"no capture size fits max_requests={pool.max_requests} (one row is reserved)")
+            raise CaptureError(f"no capture size fits max_requests={pool.max_requests}")
         self.max_bs = self.sizes[-1]
         self.debug = debug
         device = pool.device
         fill = self.backend.cuda_graph_seq_len_fill_value
         self.fill = fill
-        self.pad_row = pool.alloc_request()  # owns no pages: its table row points at the dummy page
+        self.pad_row = pool.pad_row  # owns no pages: its table row points at the dummy page
         n = self.max_bs
         # Static inputs: [max_bs] (views [:bs] per captured size).
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)

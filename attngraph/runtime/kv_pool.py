@@ -61,10 +61,13 @@ class KVPool:
         shape_v = (num_pages + 1, page_size, num_kv_heads, self.v_head_dim)
         self.k_buffers = [torch.zeros(shape_k, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(shape_v, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        # One row more than ``max_requests``: row ``pad_row`` is never handed out and stays all
+        # zeros (the dummy page), for the padding requests of CUDA-graph batches.
+        self.pad_row = max_requests
         self.req_to_page = torch.zeros(
-            (max_requests, self.max_pages_per_req), dtype=torch.int32, device=self.device
+            (max_requests + 1, self.max_pages_per_req), dtype=torch.int32, device=self.device
         )
-        self.req_to_page_cpu = torch.zeros((max_requests, self.max_pages_per_req), dtype=torch.int32)
+        self.req_to_page_cpu = torch.zeros((max_requests + 1, self.max_pages_per_req), dtype=torch.int32)
         # Free lists, popped from the end: lowest ids first.
         self._free_pages: list[int] = list(range(num_pages, 0, -1))
         self._free_rows: list[int] = list(range(max_requests - 1, -1, -1))

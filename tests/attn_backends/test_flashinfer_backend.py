@@ -182,10 +182,18 @@ def test_decode(c):
     run_case(c, "decode")
 
 
+@pytest.mark.parametrize("mode,seed", [("extend", 1), ("extend_prefix", 3)])
+def test_extend_auto(mode, seed):
+    """The default ``"auto"``: ragged kernel for steps without any cached prefix, (b) otherwise."""
+    for c in sample_cases(mode, seed=seed)[:3]:
+        run_case(c, mode, extend_impl="auto")
+
+
 @pytest.mark.parametrize("c", sample_cases("decode", seed=1)[::2], ids=case_id)
 def test_decode_tensor_cores(c):
-    """The tensor-core (prefill-style) decode kernel, forced on whatever the GQA group."""
+    """Both decode kernels whatever the GQA group: tensor cores (prefill-style) and CUDA cores."""
     run_case(c, "decode", decode_tensor_cores=True)
+    run_case(c, "decode", decode_tensor_cores=False)
 
 
 @pytest.mark.parametrize("mode", ["decode", "extend_prefix"])

@@ -161,7 +161,8 @@ def test_reserve_exactly_full_succeeds():
 def test_max_context_len():
     pool = make_pool(num_pages=40, page_size=4, max_requests=4, max_context_len=30)
     assert pool.max_pages_per_req == 8
-    assert pool.req_to_page.shape == (4, 8)
+    assert pool.req_to_page.shape == (5, 8)  # + the padding row of CUDA-graph batches
+    assert pool.pad_row == 4
     a, b = pool.alloc_request(), pool.alloc_request()
     pool.reserve([a], [30])  # exactly max_context_len is fine
     assert pool.pages_of(a) == 8
