@@ -21,8 +21,10 @@ Before/after (this pass only reads the graph)::
 
 A site is *lowerable* only when it is provably equivalent to the op: the mask (if any) is a
 function of positions alone and evaluates to a causal / sliding-window / full pattern
-(`mask_analysis`), dropout is off, the GQA mapping is the grouped one, and the shapes are the
-``[B, H, S, D]`` ones. Every refusal carries a reason.
+(`mask_analysis`), dropout is off, the GQA mapping is the grouped one, the shapes are the
+``[B, H, S, D]`` ones, and no in-place write the match does not include changes what the site
+computes with (the scores, or q/k/v between their use and the site's output, where the op
+reads them). Every refusal carries a reason.
 """
 
 from __future__ import annotations
@@ -69,17 +71,18 @@ def find_attention(
     trusted = {n for n in gm.graph.nodes if n.op == "placeholder" and any(t in n.name for t in trusted_positions)}
     sites: list[AttentionSite] = []
     mask_cache: dict[tuple, Any] = {}
-    for node in gm.graph.nodes:
-        site = None
-        if fu.is_op(node, fu.SDPA):
-            site = _match_sdpa(gm, node)
-        elif fu.is_op(node, fu.SOFTMAX):
-            site = _match_eager(gm, node)
-        if site is None:
-            continue
-        if site.reason == "":
-            _check_shapes_and_mask(gm, site, trusted, mask_cache)
-        sites.append(site)
+    with fu.unchanged(gm.graph):  # this pass only reads the graph: index its aliasing once
+        for node in gm.graph.nodes:
+            site = None
+            if fu.is_op(node, fu.SDPA):
+                site = _match_sdpa(gm, node)
+            elif fu.is_op(node, fu.SOFTMAX):
+                site = _match_eager(gm, node)
+            if site is None:
+                continue
+            if site.reason == "":
+                _check_shapes_and_mask(gm, site, trusted, mask_cache)
+            sites.append(site)
     _assign_layer_ids(sites)
     logger.debug("find_attention: %d sites, %d lowerable", len(sites), sum(s.lowerable for s in sites))
     return sites
@@ -113,6 +116,9 @@ def _match_sdpa(gm: fx.GraphModule, node: fx.Node) -> AttentionSite:
     if n_rep_k != n_rep_v:
         return site.refuse("keys and values are repeated differently")
     site.extra["gqa_explicit"] = enable_gqa or n_rep_k > 1
+    stale = _stale_operand(site, {"query": (site.q, node), "key": (site.k, node), "value": (site.v, node)})
+    if stale is not None:
+        return site.refuse(stale)
     if scale is None:
         shape = fu.shape_of(q)
         if shape is None:
@@ -221,6 +227,15 @@ def _match_eager(gm: fx.GraphModule, softmax: fx.Node) -> AttentionSite | None:
     site.extra.update(is_causal=False, gqa_explicit=n_rep_k > 1, softmax=softmax)
     if n_rep_k != n_rep_v:
         return site.refuse("keys and values are repeated differently")
+    write = _hidden_scores_write(scores, softmax, out)
+    if write is not None:
+        return site.refuse(
+            f"the scores are modified in place by {_producer(write)}, outside the matched scale / softcap / "
+            "mask chain (the softmax sees the write; the lowered op would miss it)"
+        )
+    stale = _stale_operand(site, {"query": (q, scores), "key": (site.k, scores), "value": (site.v, out)})
+    if stale is not None:
+        return site.refuse(stale)
     for n in _chain(softmax, out):
         if fu.is_op(n, fu.DROPOUT):
             p_drop = fu.arg(n, 1, "p", 0.5)
@@ -228,6 +243,49 @@ def _match_eager(gm: fx.GraphModule, softmax: fx.Node) -> AttentionSite | None:
             if training and not (isinstance(p_drop, (int, float)) and p_drop == 0):
                 return site.refuse(f"dropout p={_show(p_drop)} in training mode")
     return site
+
+
+# --------------------------------------------------------------------------- in-place writes
+# The match reads a site off the nodes that compute it, but a Dynamo graph also holds in-place
+# writes that change those nodes' tensors from the side. ``s.div_(c)`` or
+# ``s.masked_fill_(mask, min)`` without reassignment (XLM, Flaubert) leave the softmax reading
+# the node of ``q @ k^T`` itself, the write being another user of it; and the lowered op, placed
+# at the site's output, reads q, k and v there, after any write between their use and the
+# output. Sites with such writes are refused (the mask's own writes: `mask_analysis`).
+
+
+def _hidden_scores_write(product: fx.Node, softmax: fx.Node, out: fx.Node) -> fx.Node | None:
+    """A write, before ``out``, into the tensor of a node between the ``product`` q @ k^T and
+    ``out`` (directly or through any alias) by a node that is not itself on that path."""
+    path = fu.between(product, softmax) | set(_chain(softmax, out))
+    return fu.first_write(fu.aliases(path), exclude=path, before=out)
+
+
+def _stale_operand(site: AttentionSite, operands: dict[str, tuple[fx.Node, fx.Node]]) -> str | None:
+    """Why the lowered op would read a q/k/v different from the one the site computes with.
+
+    ``operands`` maps a role to ``(x, consumer)``: the site's ``x`` (``site.k``: before
+    repeat_kv) feeds ``consumer`` (the q @ k^T product, the final matmul, the SDPA call). The
+    site reads ``x`` at the first node on the way to ``consumer``; the lowered op reads it at
+    ``site.output``. A write to ``x``'s storage in between makes the two differ (a write before
+    both reads is seen by both).
+    """
+    position = fu.graph_index(site.output.graph).position
+    for role, (x, consumer) in operands.items():
+        if not isinstance(x, fx.Node):
+            continue
+        path = fu.between(x, consumer)
+        readers = [u for u in x.users if u in path]
+        if not readers:
+            continue
+        first = min(readers, key=position.__getitem__)
+        write = fu.first_write(fu.aliases([x]), after=first, before=site.output)
+        if write is not None:
+            return (
+                f"the {role} ({x.name}) is modified in place by {_producer(write)} after the attention "
+                f"reads it and before its output ({site.output.name}), where the lowered op would read it"
+            )
+    return None
 
 
 #: Products that may compute attention scores from two activations.

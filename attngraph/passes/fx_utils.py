@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import operator
 import re
 from typing import Any, Iterable
@@ -9,6 +11,7 @@ from typing import Any, Iterable
 import torch
 import torch.nn.functional as F
 from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 # Each set lists the spellings one operation takes in a Dynamo graph: call_function targets and
 # call_method names (strings).
@@ -88,6 +91,232 @@ def example_value(node: Any) -> Any:
     if tm is not None:
         return torch.empty(tm.shape, dtype=tm.dtype, device="meta")
     return None
+
+
+# --------------------------------------------------------------------------- aliasing and writes
+# A Dynamo graph is not functional: ``s.div_(c)``, ``mask[..., j] = 0`` or ``k.mul_(2)`` change a
+# tensor that other nodes read, and a view (``m.T``, ``torch.diagonal(m)``, ``m.data``) lets a
+# write through one node change another. The passes must see every such write to the tensors a
+# site reads before they replace the site or evaluate a mask on its own.
+#
+# Aliasing is decided by storage: Dynamo records a fake tensor for each node
+# (``meta["example_value"]``), and fake tensors of a view and of its base share one storage, as
+# the real tensors will (for any op, however it is spelled). Only where a node has no such value
+# does the op list `MAY_ALIAS` stand in, erring towards "may alias".
+
+#: Ops whose result may share storage with their first argument: views, and conversions that
+#: return their input itself when there is nothing to convert. Consulted only for nodes without
+#: a traced example value.
+MAY_ALIAS = {
+    operator.getitem, torch.reshape, torch.transpose, torch.permute, torch.unsqueeze, torch.squeeze,
+    torch.narrow, torch.select, torch.flatten, torch.unflatten, torch.detach, torch.split, torch.chunk,
+    torch.unbind, torch.t, torch.adjoint, torch.diagonal, torch.swapaxes, torch.swapdims, torch.movedim,
+    torch.moveaxis, torch.as_strided, torch.view_as_real, torch.view_as_complex, torch.tensor_split,
+    "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "expand", "expand_as", "unsqueeze",
+    "squeeze", "narrow", "select", "flatten", "unflatten", "contiguous", "to", "type", "type_as", "float",
+    "bool", "long", "int", "half", "bfloat16", "double", "detach", "t", "T", "mT", "adjoint", "as_strided",
+    "diagonal", "split", "chunk", "unbind", "tensor_split", "movedim", "moveaxis", "swapaxes", "swapdims",
+    "unfold", "align_as", "refine_names", "rename",
+}
+#: ``getattr(x, name)`` that returns a view of ``x``; ``x.data`` may also appear as
+#: ``torch._C._autograd._get_data_attr(x)``.
+_ALIAS_ATTRS = {"T", "mT", "H", "mH", "data", "real", "imag"}
+_ALIAS_FUNCTION_NAMES = {"_get_data_attr"}
+
+
+def storage_key(node: Any) -> StorageWeakRef | None:
+    """The storage identity of ``node``'s traced example value, or None when it has none.
+
+    Only values recorded by tracing count (``meta["example_value"]`` / ``meta["val"]``): the
+    tensor `example_value` builds from ``tensor_meta`` is new on every call and aliases nothing.
+    """
+    if not isinstance(node, fx.Node):
+        return None
+    val = node.meta.get("example_value", node.meta.get("val"))
+    if not isinstance(val, torch.Tensor):
+        return None
+    try:
+        return StorageWeakRef(val.untyped_storage())
+    except Exception:  # tensors without a storage (sparse, nested, ...)
+        return None
+
+
+def _alias_base(node: fx.Node) -> fx.Node | None:
+    """The node ``node``'s result may be a view of, judged by its op alone; None if fresh."""
+    if node.op not in ("call_function", "call_method") or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    base = node.args[0]
+    if node.target is operator.getitem and isinstance(base.meta.get("example_value", base.meta.get("val")), (tuple, list)):
+        # An element of a tuple: a view only when the tuple holds views (split, chunk, unbind),
+        # not for the fresh results of e.g. ``torch.max(x, dim)``.
+        return base if _alias_base(base) is not None else None
+    if is_op(node, MAY_ALIAS) or is_inplace(node):  # an in-place op returns its first argument
+        return base
+    if node.target is getattr:
+        return base if len(node.args) > 1 and node.args[1] in _ALIAS_ATTRS else None
+    if getattr(node.target, "__name__", "") in _ALIAS_FUNCTION_NAMES:
+        return base
+    schema = getattr(node.target, "_schema", None)  # aten ops say so themselves: Tensor(a) / (a!)
+    if schema is not None and any(r.alias_info is not None for r in schema.returns):
+        return base
+    return None
+
+
+def _tensor_nodes(x: Any) -> list[fx.Node]:
+    if isinstance(x, fx.Node):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [n for a in x for n in _tensor_nodes(a)]
+    return []
+
+
+def written_by(node: fx.Node) -> list[fx.Node]:
+    """The nodes whose tensors ``node`` writes in place (``x.mul_(c)``, ``x[i] = v``,
+    ``torch.add(a, b, out=x)``, a mutable aten op); [] when it writes none."""
+    if node.op not in ("call_function", "call_method"):
+        return []
+    written: list[fx.Node] = []
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    dunder_inplace = name.startswith("__i") and name.endswith("__") and name[2:-2] in _OPERATOR_INPLACE
+    if is_inplace(node) or node.target is operator.setitem or name == "__setitem__" or dunder_inplace:
+        written += _tensor_nodes(node.args[:1])
+    if "out" in node.kwargs:
+        written += _tensor_nodes(node.kwargs["out"])
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and schema.is_mutable:
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                value = node.args[i] if not a.kwarg_only and i < len(node.args) else node.kwargs.get(a.name)
+                written += _tensor_nodes(value)
+        if not written:  # a mutable op whose written argument we cannot place: any of them
+            written = _tensor_nodes((node.args, tuple(node.kwargs.values())))
+    return written
+
+
+class GraphIndex:
+    """Node positions, storages, view edges and in-place writes of one graph, gathered in one
+    pass; valid while the graph is unchanged (see `unchanged`)."""
+
+    def __init__(self, graph: fx.Graph):
+        self.graph = graph
+        self.position: dict[fx.Node, int] = {}
+        self._key: dict[fx.Node, StorageWeakRef | None] = {}
+        self._by_storage: dict[StorageWeakRef, list[fx.Node]] = {}
+        self._edges: dict[fx.Node, list[fx.Node]] = {}
+        self._writes: list[tuple[fx.Node, list[fx.Node]]] = []  # (writer, written), graph order
+        for i, n in enumerate(graph.nodes):
+            self.position[n] = i
+            self._key[n] = k = storage_key(n)
+            if k is not None:
+                self._by_storage.setdefault(k, []).append(n)
+            written = written_by(n)
+            if written:
+                self._writes.append((n, written))
+        for n in graph.nodes:
+            base = _alias_base(n)
+            if base is not None and (self._key[n] is None or self._key.get(base) is None):
+                self._edges.setdefault(n, []).append(base)
+                self._edges.setdefault(base, []).append(n)
+
+    def aliases(self, nodes: Iterable[Any]) -> set[fx.Node]:
+        """See the module function `aliases`."""
+        found: set[fx.Node] = set()
+        stack = [n for n in nodes if isinstance(n, fx.Node)]
+        while stack:
+            n = stack.pop()
+            if n in found:
+                continue
+            found.add(n)
+            k = self._key.get(n)
+            if k is not None:
+                stack.extend(self._by_storage[k])
+            stack.extend(self._edges.get(n, ()))
+        return found
+
+    def first_write(
+        self, targets: set[fx.Node], exclude: Iterable[fx.Node] = (), after: fx.Node | None = None,
+        before: fx.Node | None = None,
+    ) -> fx.Node | None:
+        """See the module function `first_write`."""
+        lo = self.position[after] if after is not None else -1
+        hi = self.position[before] if before is not None else len(self.position)
+        exclude = set(exclude)
+        for writer, written in self._writes:
+            if lo < self.position[writer] < hi and writer not in exclude and any(t in targets for t in written):
+                return writer
+        return None
+
+    def between(self, src: fx.Node, dst: fx.Node) -> set[fx.Node]:
+        """Nodes on some path from ``src`` to ``dst``, both included (empty when there is none)."""
+        lo = self.position[src]
+        above: set[fx.Node] = set()  # ancestors of dst not placed before src: paths cannot leave them
+        stack = [dst]
+        while stack:
+            n = stack.pop()
+            if n in above or self.position[n] < lo:
+                continue
+            above.add(n)
+            stack.extend(n.all_input_nodes)
+        region: set[fx.Node] = set()
+        stack = [src]
+        while stack:
+            n = stack.pop()
+            if n in region or n not in above:
+                continue
+            region.add(n)
+            stack.extend(n.users)
+        return region
+
+
+_ACTIVE_INDEX: contextvars.ContextVar[GraphIndex | None] = contextvars.ContextVar("attngraph_graph_index", default=None)
+
+
+@contextlib.contextmanager
+def unchanged(graph: fx.Graph):
+    """Within the block ``graph`` is only read: `aliases`, `first_write` and `between` share one
+    `GraphIndex` of it instead of each scanning the graph again."""
+    token = _ACTIVE_INDEX.set(GraphIndex(graph))
+    try:
+        yield
+    finally:
+        _ACTIVE_INDEX.reset(token)
+
+
+def graph_index(graph: fx.Graph) -> GraphIndex:
+    """The shared index of ``graph`` inside `unchanged`, else a fresh one."""
+    index = _ACTIVE_INDEX.get()
+    return index if index is not None and index.graph is graph else GraphIndex(graph)
+
+
+def aliases(nodes: Iterable[Any]) -> set[fx.Node]:
+    """``nodes`` and every node of their graph whose tensor may share storage with one of them.
+
+    Two nodes with traced example values alias exactly when their storages are the same (this
+    finds views however they are spelled, and bases as well as views). An edge between a view op
+    and its input (`MAY_ALIAS`) is followed, in either direction, only where one of the two has
+    no example value to compare.
+    """
+    start = [n for n in nodes if isinstance(n, fx.Node)]
+    return graph_index(start[0].graph).aliases(start) if start else set()
+
+
+def first_write(
+    targets: set[fx.Node], exclude: Iterable[fx.Node] = (), after: fx.Node | None = None,
+    before: fx.Node | None = None,
+) -> fx.Node | None:
+    """The first node (graph order) not in ``exclude`` that writes one of ``targets`` in place,
+    looking only strictly after ``after`` and strictly before ``before`` when given; else None.
+
+    ``targets`` should be closed under aliasing (`aliases`): then a write through any view counts.
+    """
+    if not targets:
+        return None
+    return graph_index(next(iter(targets)).graph).first_write(targets, exclude, after, before)
+
+
+def between(src: fx.Node, dst: fx.Node) -> set[fx.Node]:
+    """Nodes on some path from ``src`` to ``dst``, both included (empty when there is none)."""
+    return graph_index(src.graph).between(src, dst)
 
 
 def shape_of(node: Any) -> tuple | None:

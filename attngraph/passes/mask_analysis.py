@@ -17,7 +17,6 @@ constant) cannot hide behind short probe sequences.
 from __future__ import annotations
 
 import logging
-import operator
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -25,7 +24,7 @@ import sympy
 import torch
 from torch import fx
 
-from .fx_utils import SHAPE_ATTRS, SHAPE_QUERIES, example_value, is_inplace, is_op
+from .fx_utils import SHAPE_ATTRS, SHAPE_QUERIES, aliases, example_value, first_write, is_op
 
 logger = logging.getLogger(__name__)
 
@@ -66,28 +65,6 @@ def ancestors(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
-#: Ops whose result may share storage with their first argument.
-_MAY_ALIAS = {
-    operator.getitem, torch.reshape, torch.transpose, torch.permute, torch.unsqueeze, torch.squeeze,
-    torch.narrow, torch.select, torch.flatten, torch.detach, torch.split, torch.chunk, torch.unbind,
-    "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "expand", "expand_as", "unsqueeze",
-    "squeeze", "narrow", "select", "flatten", "unflatten", "contiguous", "to", "type", "type_as", "float",
-    "bool", "long", "int", "half", "bfloat16", "double", "detach", "t", "T", "mT", "as_strided", "diagonal",
-    "split", "chunk", "unbind", "movedim", "swapaxes",
-}
-
-
-def _mutates(user: fx.Node, node: fx.Node) -> bool:
-    if user.op not in ("call_function", "call_method"):
-        return False
-    if is_inplace(user) or user.target is operator.setitem:
-        return bool(user.args) and user.args[0] is node
-    if user.kwargs.get("out") is not None:
-        return True
-    schema = getattr(user.target, "_schema", None)
-    return schema is not None and schema.is_mutable
-
-
 def _value_ancestors(node: fx.Node) -> set[fx.Node]:
     """Ancestors whose values (not just sizes) reach ``node``: edges through shape queries are cut."""
     seen: set[fx.Node] = set()
@@ -107,22 +84,12 @@ def unseen_mutation(node: fx.Node) -> fx.Node | None:
     from, without being among ``node``'s ancestors; None when there is none.
 
     Evaluating ``node``'s ancestors alone would miss such a write (``mask[..., :n] = padding``),
-    so a mask with one is not provable.
+    so a mask with one is not provable. A write counts wherever it is in the graph, and whatever
+    view it goes through (``mask.mT[...] = x``, ``torch.diagonal(mask).fill_(x)``,
+    ``mask.data[...] = x``): the written tensors are found by storage (`fx_utils.aliases`).
     """
     need = _value_ancestors(node)
-    seen: set[fx.Node] = set()
-    stack = list(need)
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        for u in n.users:
-            if u not in need and _mutates(u, n):
-                return u
-            if is_op(u, _MAY_ALIAS) and u.args and u.args[0] is n:
-                stack.append(u)
-    return None
+    return first_write(aliases(need), exclude=need)
 
 
 def value_inputs(node: fx.Node) -> set[fx.Node]:

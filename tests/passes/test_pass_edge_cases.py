@@ -275,8 +275,8 @@ def test_unassigned_writes_to_the_scores_found_without_example_values(form):
 
 
 def test_xlm_masked_fill_inplace_equals_eager():
-    """The same bug on a real model: XLM (causal, padded batch) masks its scores with
-    ``scores.masked_fill_(mask, min)`` and never reassigns them."""
+    """The same on a real model: XLM (causal, padded batch) masks its scores with
+    ``scores.masked_fill_(mask, min)`` and never reassigns them; the sites are refused."""
     torch.manual_seed(0)
     cfg = transformers.XLMConfig(
         vocab_size=96, emb_dim=64, n_layers=2, n_heads=4, causal=True, max_position_embeddings=64
@@ -292,6 +292,7 @@ def test_xlm_masked_fill_inplace_equals_eager():
         ref = model(ids, attention_mask=mask).logits
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     assert len(backend.report.sites) == cfg.n_layers, str(backend.report)
+    assert all(MUTATED_SCORES in s.reason for s in backend.report.sites), str(backend.report)
 
 
 class ScoresAlsoReturned(P.Proj):
