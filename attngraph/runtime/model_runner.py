@@ -15,7 +15,7 @@ from ..passes.site import AttentionSite
 from .forward_batch import ForwardBatch
 from .forward_context import ForwardContext, use_forward_context
 from .kv_pool import KVPool
-from .ragged_model import RaggedModel
+from .ragged_model import MIN_TOKENS, RaggedModel
 
 logger = logging.getLogger(__name__)
 
@@ -28,23 +28,43 @@ MAX_DEFAULT_CONTEXT = 32768
 
 @dataclass(frozen=True)
 class AttentionGeometry:
+    """What the paged KV pool and the attention spec are sized by, read off the traced sites."""
+
     num_layers: int
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
 
 
-def attention_geometry(hf_config) -> AttentionGeometry:
-    """Layer count and head shapes from an HF config (checked against the traced sites later)."""
-    cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    try:
-        layers = cfg.num_hidden_layers
-        heads = cfg.num_attention_heads
-    except AttributeError as exc:
-        raise UnsupportedModelError(f"the model config has no {exc.name}; cannot size the KV pool") from exc
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return AttentionGeometry(layers, heads, kv_heads, head_dim)
+def attention_geometry(sites: list[AttentionSite]) -> AttentionGeometry:
+    """Layer count and head shapes of the KV pool, from the attention sites of the traced graph.
+
+    The sites carry the shapes attention really runs with, whatever the config calls them
+    (Falcon-7B's ``multi_query`` has one KV head while its config's ``num_kv_heads`` counts
+    all of them; Falcon-40B broadcasts K/V to every head before caching). The pool holds one
+    shape, so every site must share it; layers are the sites' ``layer_id`` (0 .. max).
+    """
+    if not sites:
+        raise UnsupportedModelError("no attention site was found; there is nothing to size the KV pool by")
+    first = sites[0]
+    shape = (first.num_q_heads, first.num_kv_heads, first.head_dim, first.v_head_dim)
+    for s in sites:
+        if (s.num_q_heads, s.num_kv_heads, s.head_dim, s.v_head_dim) != shape:
+            raise UnsupportedModelError(
+                f"attention site {s.name} has {s.num_q_heads} query / {s.num_kv_heads} KV heads of dim "
+                f"{s.head_dim}/{s.v_head_dim}, but {first.name} has {shape[0]} / {shape[1]} of dim "
+                f"{shape[2]}/{shape[3]}; the paged KV pool holds one shape for every layer"
+            )
+        if s.layer_id < 0:
+            raise UnsupportedModelError(f"attention site {s.name} has no KV-pool layer")
+    if first.v_head_dim != first.head_dim:
+        raise UnsupportedModelError(
+            f"attention site {first.name} has values of dim {first.v_head_dim} for keys of dim "
+            f"{first.head_dim}; the paged runtime needs them equal"
+        )
+    if len({s.layer_id for s in sites}) != len(sites):
+        raise UnsupportedModelError("two attention sites map to the same KV-pool layer")
+    return AttentionGeometry(max(s.layer_id for s in sites) + 1, first.num_q_heads, first.num_kv_heads, first.head_dim)
 
 
 class ModelRunner:
@@ -56,6 +76,9 @@ class ModelRunner:
         row = runner.pool.alloc_request(); runner.pool.reserve([row], [len(prompt)])
         batch = ForwardBatch.build(runner.pool, [row], [0], [len(prompt)], prompt)
         logits = runner.forward(batch, batch.qo_indptr[1:] - 1)   # [1, vocab]
+
+    The KV pool is shaped like the attention the compiler finds in the graph, not like the
+    config says: the first access to `pool` (or `warmup`) compiles the model to learn it.
     """
 
     def __init__(self, model: torch.nn.Module, config: CompileConfig) -> None:
@@ -68,10 +91,10 @@ class ModelRunner:
                 "(from_pretrained, load_state_dict or to_empty + initialization) before attngraph.accelerate()"
             )
         self.device, self.dtype = param.device, param.dtype
-        self.geometry = attention_geometry(model.config)
         max_pos = getattr(model.config, "max_position_embeddings", None) or MAX_DEFAULT_CONTEXT
         self.max_context_len = config.max_context_len or min(int(max_pos), MAX_DEFAULT_CONTEXT)
-        self.pool = self._make_pool()
+        self._geometry: AttentionGeometry | None = None  # set by the first compile, from its sites
+        self._pool: KVPool | None = None
         self.spec: ModelAttentionSpec | None = None
         self.backend: AttentionBackend | None = None
         self._reference = TorchNativeBackend()
@@ -80,6 +103,36 @@ class ModelRunner:
         self.ragged.backend.on_sites = self._on_sites_checked
 
     # ------------------------------------------------------------------ setup
+    @property
+    def geometry(self) -> AttentionGeometry:
+        """Layers and head shapes of the traced attention sites (the first access compiles)."""
+        if self._geometry is None:
+            self._trace()
+        return self._geometry
+
+    @property
+    def pool(self) -> KVPool:
+        """The paged KV pool, sized by `geometry` (the first access compiles)."""
+        if self._pool is None:
+            self._pool = self._make_pool()
+        return self._pool
+
+    def _trace(self) -> None:
+        """Compile the ragged model on a 2-token dummy sequence before any pool exists.
+
+        The compiler reports the sites (`_on_sites_checked` records their geometry and picks
+        the backend) before the graph runs; the run itself is published without a
+        `ForwardBatch`, so the lowered op attends densely and touches no pool. The shapes are
+        those of every later step, so the graph is the one they reuse (no second compile).
+        """
+        ids = torch.zeros(MIN_TOKENS, dtype=torch.long, device=self.device)
+        positions = torch.arange(MIN_TOKENS, dtype=torch.long, device=self.device)
+        last = torch.tensor([MIN_TOKENS - 1], dtype=torch.long, device=self.device)
+        with use_forward_context(ForwardContext(self._reference)):
+            self.ragged(ids, positions, last)
+        if self._geometry is None:  # _check_sites refuses a graph without attention first
+            raise UnsupportedModelError("compiling the model reported no attention sites; cannot size the KV pool")
+
     def _make_pool(self) -> KVPool:
         g, cfg = self.geometry, self.config
         per_token = KVPool.bytes_per_token(g.num_layers, g.num_kv_heads, g.head_dim, g.head_dim, self.dtype)
@@ -87,14 +140,16 @@ class ModelRunner:
             tokens = cfg.kv_cache_tokens
         elif self.device.type == "cuda":
             fraction = cfg.kv_memory_fraction or CUDA_DEFAULT_KV_FRACTION
+            torch.cuda.empty_cache()  # what the trace's activations left cached counts as free
             free, _total = torch.cuda.mem_get_info(self.device)
             tokens = int(free * fraction) // per_token
         else:
             tokens = CPU_DEFAULT_KV_TOKENS
         num_pages = max(1, tokens // cfg.page_size)
         logger.info(
-            "KV pool: %d pages x %d tokens (%.1f MiB) for %d layers",
+            "KV pool: %d pages x %d tokens (%.1f MiB) for %d layers of %d KV heads x %d",
             num_pages, cfg.page_size, num_pages * cfg.page_size * per_token / 2**20, g.num_layers,
+            g.num_kv_heads, g.head_dim,
         )
         return KVPool(
             num_layers=g.num_layers,
@@ -109,19 +164,24 @@ class ModelRunner:
         )
 
     def _on_sites_checked(self, sites: list[AttentionSite]) -> None:
+        """Called by the compiler with each graph's sites, before the graph runs.
+
+        The first graph fixes the geometry (and so the pool); a later graph (a recompile) must
+        fit the pool that already holds the requests' K/V.
+        """
         self.ragged._check_sites(sites)
-        g = self.geometry
-        for s in sites:
-            if (s.num_kv_heads, s.head_dim, s.v_head_dim) != (g.num_kv_heads, g.head_dim, g.head_dim) or not (
-                0 <= s.layer_id < g.num_layers
+        g = attention_geometry(sites)
+        have = self._geometry
+        if have is not None:
+            if (g.num_q_heads, g.num_kv_heads, g.head_dim) != (have.num_q_heads, have.num_kv_heads, have.head_dim) or (
+                g.num_layers > have.num_layers
             ):
                 raise UnsupportedModelError(
-                    f"attention site {s.name} has {s.num_kv_heads} KV heads of dim {s.head_dim}/{s.v_head_dim} "
-                    f"at layer {s.layer_id}, but the config promises {g.num_kv_heads} of dim {g.head_dim} "
-                    f"over {g.num_layers} layers; the paged KV pool cannot hold it"
+                    f"a recompiled graph's attention ({g.num_q_heads} query / {g.num_kv_heads} KV heads of dim "
+                    f"{g.head_dim}, {g.num_layers} layers) does not fit the KV pool sized by the first graph "
+                    f"({have.num_q_heads} query / {have.num_kv_heads} KV heads of dim {have.head_dim}, {have.num_layers} layers)"
                 )
-        if len({s.layer_id for s in sites}) != len(sites):
-            raise UnsupportedModelError("two attention sites map to the same KV-pool layer")
+            g = have
         self.spec = ModelAttentionSpec(
             num_layers=g.num_layers,
             num_q_heads=g.num_q_heads,
@@ -138,19 +198,25 @@ class ModelRunner:
 
         self.backend = create_attention_backend(self.config, spec=self.spec)
         self.backend.set_layer_kinds([s.as_layer() for s in sites])
-        logger.info("attention backend: %s", type(self.backend).__name__)
+        self._geometry = g
+        logger.info(
+            "attention backend: %s; %d layers, %d query / %d KV heads of dim %d",
+            type(self.backend).__name__, g.num_layers, g.num_q_heads, g.num_kv_heads, g.head_dim,
+        )
 
     def warmup(self) -> None:
-        """Compile now (a 2-token dummy request, then a decode step) so errors surface at
-        `accelerate` time; then capture the decode CUDA graphs if the config asks for them."""
-        row = self.pool.alloc_request()
+        """Compile now (a 2-token dummy sequence, which sizes the pool; then a prefill and a
+        decode step of a dummy request on the chosen backend) so errors surface at `accelerate`
+        time; then capture the decode CUDA graphs if the config asks for them."""
+        pool = self.pool
+        row = pool.alloc_request()
         try:
-            self.pool.reserve([row], [3])
+            pool.reserve([row], [3])
             ids = torch.zeros(3, dtype=torch.long, device=self.device)
-            self.forward(ForwardBatch.build(self.pool, [row], [0], [2], ids[:2]))
-            self.forward(ForwardBatch.build(self.pool, [row], [2], [1], ids[2:]))  # the chosen backend
+            self.forward(ForwardBatch.build(pool, [row], [0], [2], ids[:2]))
+            self.forward(ForwardBatch.build(pool, [row], [2], [1], ids[2:]))
         finally:
-            self.pool.free_request(row)
+            pool.free_request(row)
         mode = self.config.resolved_cuda_graph(self.device.type)
         if mode == "auto":
             support = self.backend.capabilities.graph_support.get("decode", GraphSupport.NEVER)
@@ -181,7 +247,7 @@ class ModelRunner:
             if self.graphs is not None and self.graphs.can_run(batch):
                 return self.graphs.replay(batch)
             logits_indices = batch.qo_indptr[1:].long() - 1
-        backend = self.backend or self._reference  # the reference serves the very first (tracing) call
+        backend = self.backend or self._reference  # serves a call that compiles (the sites pick the backend)
         backend.init_forward_metadata(batch)
         with use_forward_context(ForwardContext(backend, batch)):
             return self.ragged(batch.input_ids, batch.positions, logits_indices.to(self.device))
@@ -199,4 +265,5 @@ class ModelRunner:
         self.ragged.backend.on_sites = None
         self.ragged.backend.graphs.clear()
         self.ragged.backend.sites.clear()
-        self.pool.release()
+        if self._pool is not None:
+            self._pool.release()
