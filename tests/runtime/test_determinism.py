@@ -16,7 +16,6 @@ for the alone-vs-batched check.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
@@ -39,19 +38,6 @@ def _one_thread():
     yield
     torch.set_num_threads(before)
 
-
-@pytest.fixture
-def triton_on_cpu(monkeypatch):
-    """Let the registry hand the Triton backend CPU tensors (run by Triton's interpreter)."""
-    if torch.cuda.is_available():
-        return
-    from attngraph.attn_backends.triton_backend import TritonBackend
-    from attngraph.attn_backends.triton_ops import interpreting
-
-    if not interpreting():
-        pytest.skip("TRITON_INTERPRET=1 was not set before Triton was imported")
-    caps = TritonBackend.capabilities
-    monkeypatch.setattr(TritonBackend, "capabilities", dataclasses.replace(caps, device_types=caps.device_types + ("cpu",)))
 
 
 @pytest.fixture

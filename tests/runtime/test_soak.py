@@ -271,19 +271,6 @@ def test_soak_torch_native(arch, page_size):
     soak(arch, "torch_native", page_size, SOAK_STEPS)
 
 
-@pytest.fixture
-def triton_on_cpu(monkeypatch):
-    """Let the registry hand the Triton backend CPU tensors (run by Triton's interpreter)."""
-    if torch.cuda.is_available():
-        return
-    from attngraph.attn_backends.triton_backend import TritonBackend
-    from attngraph.attn_backends.triton_ops import interpreting
-
-    if not interpreting():
-        pytest.skip("TRITON_INTERPRET=1 was not set before Triton was imported")
-    caps = TritonBackend.capabilities
-    monkeypatch.setattr(TritonBackend, "capabilities", dataclasses.replace(caps, device_types=caps.device_types + ("cpu",)))
-
 
 def test_soak_triton(triton_on_cpu):
     """Mistral (sliding window) with 4-token pages; a short run: the interpreter is slow."""
