@@ -53,7 +53,9 @@ def _is_shape_query(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is getattr and len(node.args) > 1 and node.args[1] in SHAPE_ATTRS
 
 
-def ancestors(node: fx.Node) -> set[fx.Node]:
+def ancestors(node: fx.Node, values_only: bool = False) -> set[fx.Node]:
+    """``node`` and every node it is computed from. ``values_only``: only ancestors whose
+    values (not just sizes) reach ``node``; edges through shape queries are cut."""
     seen: set[fx.Node] = set()
     stack = [node]
     while stack:
@@ -61,20 +63,7 @@ def ancestors(node: fx.Node) -> set[fx.Node]:
         if n in seen:
             continue
         seen.add(n)
-        stack.extend(n.all_input_nodes)
-    return seen
-
-
-def _value_ancestors(node: fx.Node) -> set[fx.Node]:
-    """Ancestors whose values (not just sizes) reach ``node``: edges through shape queries are cut."""
-    seen: set[fx.Node] = set()
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if not _is_shape_query(n):
+        if not (values_only and _is_shape_query(n)):
             stack.extend(n.all_input_nodes)
     return seen
 
@@ -88,7 +77,7 @@ def unseen_mutation(node: fx.Node) -> fx.Node | None:
     view it goes through (``mask.mT[...] = x``, ``torch.diagonal(mask).fill_(x)``,
     ``mask.data[...] = x``): the written tensors are found by storage (`fx_utils.aliases`).
     """
-    need = _value_ancestors(node)
+    need = ancestors(node, values_only=True)
     return first_write(aliases(need), exclude=need)
 
 
