@@ -192,8 +192,14 @@ class FlashInferBackend(AttentionBackend):
         deterministic: bool = False,
     ) -> None:
         super().__init__(spec)
-        if decode_tensor_cores is None and os.environ.get("ATTNGRAPH_FLASHINFER_DECODE_TC"):
-            decode_tensor_cores = os.environ["ATTNGRAPH_FLASHINFER_DECODE_TC"] == "1"
+        env_tc = os.environ.get("ATTNGRAPH_FLASHINFER_DECODE_TC", "")
+        if decode_tensor_cores is None and env_tc:
+            if env_tc not in ("0", "1"):
+                raise ValueError(
+                    f"ATTNGRAPH_FLASHINFER_DECODE_TC={env_tc!r}: use 1 (tensor-core decode), 0 (CUDA-core "
+                    "decode), or leave it unset (tensor cores from GQA group 4)"
+                )
+            decode_tensor_cores = env_tc == "1"
         if deterministic:
             if decode_tensor_cores is False:
                 raise ValueError("deterministic=True needs the tensor-core decode (fixed KV split size)")
