@@ -52,6 +52,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("profile_decode.py needs a CUDA device (it times the captured decode CUDA graphs)")
+    if args.batch < 1:
+        sys.exit(f"--batch must be >= 1, got {args.batch}")
     torch.manual_seed(0)
     cfg = llama_1b(args.layers)
     base = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
