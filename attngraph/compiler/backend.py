@@ -17,6 +17,7 @@ from ..attn_backends.registry import create_backend
 from ..config import CompileConfig
 from ..passes import fx_utils as fu
 from ..passes.site import AttentionSite
+from ..passes.token_mixing import TokenMixingOp, check_token_mixing
 from ..runtime.forward_context import ForwardContext, use_forward_context
 from .pipeline import PassPipeline
 from .report import AttentionReport
@@ -32,6 +33,12 @@ class AttnGraphBackend:
     and the ``trusted_positions`` placeholders carry token positions. ``on_sites`` is called
     with each graph's sites after the passes, before anything runs (it may raise).
     ``report`` accumulates the sites of every graph compiled through this backend.
+
+    ``token_inputs`` (paged mode): names of the placeholders whose symbolic length is the
+    token axis (``input_ids``, ``position_ids``), and ``row_index_inputs`` those holding row
+    indices into it (``logits_indices``). With them, every lowered graph is checked for ops
+    outside attention that move data across tokens (`check_token_mixing`); the findings go
+    to ``report.token_mixing`` before ``on_sites`` is called.
     """
 
     def __init__(
@@ -40,6 +47,8 @@ class AttnGraphBackend:
         mode: str = "stateless",
         trusted_positions: Iterable[str] = (),
         on_sites: Callable[[list[AttentionSite]], None] | None = None,
+        token_inputs: Iterable[str] = (),
+        row_index_inputs: Iterable[str] = (),
     ) -> None:
         if mode not in ("stateless", "paged"):
             raise ValueError(f"mode must be 'stateless' or 'paged', got {mode!r}")
@@ -50,10 +59,12 @@ class AttnGraphBackend:
         self.graphs: list[fx.GraphModule] = []
         self.sites: list[AttentionSite] = []
         self.on_sites = on_sites
+        self.token_inputs = tuple(token_inputs)
+        self.row_index_inputs = tuple(row_index_inputs)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         sites = self.pipeline.run(gm, example_inputs)
-        self.report.add_graph(sites)
+        self.report.add_graph(sites, self._token_mixing(gm))
         self.sites.extend(sites)
         self.graphs.append(gm)
         if self.on_sites is not None:
@@ -69,6 +80,11 @@ class AttnGraphBackend:
                 return compiled(*args)
 
         return run
+
+    def _token_mixing(self, gm: fx.GraphModule) -> list[TokenMixingOp]:
+        if self.mode != "paged" or not self.token_inputs or not self.config.lower_attention:
+            return []
+        return check_token_mixing(gm, self.token_inputs, self.row_index_inputs)
 
     def _dense_backend(self, sites: list[AttentionSite], device_type: str) -> AttentionBackend | None:
         lowered = [s for s in sites if s.lowered]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..passes.site import AttentionSite
+from ..passes.token_mixing import TokenMixingOp
 
 
 @dataclass(frozen=True)
@@ -25,10 +26,15 @@ class SiteReport:
 
 @dataclass
 class AttentionReport:
-    """All sites of all graphs a compilation produced (one per Dynamo graph, graph breaks included)."""
+    """All sites of all graphs a compilation produced (one per Dynamo graph, graph breaks included).
+
+    ``token_mixing``: ``(graph_index, op)`` for each op outside attention that moves data
+    across tokens in the ragged (paged) form; the paged runtime refuses a model that has any.
+    """
 
     sites: list[SiteReport] = field(default_factory=list)
     num_graphs: int = 0
+    token_mixing: list[tuple[int, TokenMixingOp]] = field(default_factory=list)
 
     @property
     def num_lowered(self) -> int:
@@ -38,11 +44,25 @@ class AttentionReport:
     def all_lowered(self) -> bool:
         return bool(self.sites) and all(s.lowered for s in self.sites)
 
-    def add_graph(self, sites: list[AttentionSite]) -> None:
+    def add_graph(self, sites: list[AttentionSite], token_mixing: list[TokenMixingOp] = ()) -> None:
         self.sites.extend(SiteReport.from_site(s, self.num_graphs) for s in sites)
+        self.token_mixing.extend((self.num_graphs, op) for op in token_mixing)
         self.num_graphs += 1
 
+    def token_mixing_of(self, graph_index: int) -> list[TokenMixingOp]:
+        return [op for g, op in self.token_mixing if g == graph_index]
+
     def __str__(self) -> str:
+        return self._sites_table() + self._token_mixing_table()
+
+    def _token_mixing_table(self) -> str:
+        if not self.token_mixing:
+            return ""
+        rows = [f"\nops outside attention that mix tokens ({len(self.token_mixing)}; the paged runtime refuses them):"]
+        rows += [f"  {op}" for _, op in self.token_mixing]
+        return "\n".join(rows)
+
+    def _sites_table(self) -> str:
         head = f"attngraph: {self.num_lowered}/{len(self.sites)} attention sites lowered in {self.num_graphs} graph(s)"
         if not self.sites:
             return head + "\n  (no attention found)"

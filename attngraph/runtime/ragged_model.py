@@ -25,6 +25,8 @@ from ..passes.site import AttentionSite
 logger = logging.getLogger(__name__)
 
 MIN_TOKENS = 2
+#: The ragged forward's inputs whose length is the token axis (checked for token mixing).
+TOKEN_INPUTS = ("input_ids", "position_ids")
 _instance_ids = itertools.count()
 
 
@@ -35,7 +37,12 @@ class RaggedModel:
         self.model = model
         self.config = config
         self.backend = AttnGraphBackend(
-            config, mode="paged", trusted_positions=("position_ids",), on_sites=self._check_sites
+            config,
+            mode="paged",
+            trusted_positions=("position_ids",),
+            on_sites=self._check_sites,
+            token_inputs=TOKEN_INPUTS,
+            row_index_inputs=("logits_indices",),
         )
         forward = model.forward  # bound before `accelerate` patches the instance
 
@@ -85,15 +92,28 @@ class RaggedModel:
         return logits[:n_logits]
 
     def _check_sites(self, sites: list[AttentionSite]) -> None:
-        """In ragged form every attention must be lowered: an unlowered site would mix requests.
+        """In ragged form every attention must be lowered (an unlowered site would mix
+        requests), and nothing else may move data between tokens: a convolution, scan or
+        linear attention over the sequence keeps state that the ragged form loses.
 
         Runs inside the compiler, before the graph ever executes.
         """
+        report = self.backend.report
+        mixing = report.token_mixing_of(report.num_graphs - 1)
         bad = [s for s in sites if not s.lowered]
+        problems = []
         if not sites or bad:
             lines = "\n".join(f"  {s.name} ({s.kind}): {s.reason}" for s in sites) or "  (no attention found)"
+            problems.append(f"every attention site must be lowered, {len(sites) - len(bad)}/{len(sites)} were.\n{lines}")
+        if mixing:
+            lines = "\n".join(f"  {op}" for op in mixing)
+            problems.append(
+                f"{len(mixing)} op(s) outside attention move data between tokens; in the paged runtime a step "
+                "holds only the new tokens of every request, so such layers (convolutions or scans over the "
+                "sequence, SSM / linear-attention state) would lose their history and mix requests.\n" + lines
+            )
+        if problems:
             raise UnsupportedModelError(
-                f"{type(self.model).__name__} cannot run on the paged runtime: every attention site must be "
-                f"lowered, {len(sites) - len(bad)}/{len(sites)} were.\n{lines}\n"
-                "Use the stateless form instead: torch.compile(model, backend='attngraph')."
+                f"{type(self.model).__name__} cannot run on the paged runtime: " + "\n".join(problems)
+                + "\nUse the stateless form instead: torch.compile(model, backend='attngraph')."
             )
