@@ -8,13 +8,16 @@ import torch
 
 from ..config import CompileConfig
 from .backend import AttnGraphBackend
+from .ragged_check import ragged_token_mixing
 from .report import AttentionReport
 
 
 def explain(model: torch.nn.Module, *args: Any, config: CompileConfig | None = None, **kwargs: Any) -> AttentionReport:
     """Trace ``model(*args, **kwargs)`` once through the passes and report every attention site.
 
-    The model itself is not changed. Example::
+    For a generation model the report also lists the ops outside attention that move data
+    between tokens (``report.token_mixing``: convolutions, scans, SSM or linear-attention
+    layers), which `attngraph.accelerate` refuses. The model itself is not changed. Example::
 
         report = attngraph.explain(model, input_ids)
         print(report)                      # table: site, kind, lowered, reason
@@ -25,4 +28,7 @@ def explain(model: torch.nn.Module, *args: Any, config: CompileConfig | None = N
     compiled = torch.compile(model, backend=backend)
     with torch.no_grad():
         compiled(*args, **kwargs)
-    return backend.report
+    report = backend.report
+    if hasattr(model, "generate") and not getattr(getattr(model, "config", None), "is_encoder_decoder", True):
+        report.token_mixing.extend((-1, op) for op in ragged_token_mixing(model, cfg) or ())
+    return report

@@ -18,16 +18,23 @@ import types
 import torch
 
 from ..compiler.backend import AttnGraphBackend
+from ..compiler.ragged_check import ROW_INDEX_INPUTS, TOKEN_INPUTS
 from ..config import CompileConfig
-from ..errors import AttnGraphError, UnsupportedModelError
+from ..errors import AttnGraphError, UnsupportedGenerationError, UnsupportedModelError
 from ..passes.site import AttentionSite
 
 logger = logging.getLogger(__name__)
 
 MIN_TOKENS = 2
-#: The ragged forward's inputs whose length is the token axis (checked for token mixing).
-TOKEN_INPUTS = ("input_ids", "position_ids")
 _instance_ids = itertools.count()
+
+
+_UNCOMPILED = (
+    "the paged runtime's forward ran uncompiled (torch.compiler.set_stance('force_eager'), or a stance "
+    "that runs eagerly instead of recompiling, is active), so its attention was not lowered and would "
+    "mix the requests of a step. Call generate outside that stance, or call attngraph.restore(model) "
+    "first to run HF's own generate."
+)
 
 
 class RaggedModel:
@@ -42,11 +49,16 @@ class RaggedModel:
             trusted_positions=("position_ids",),
             on_sites=self._check_sites,
             token_inputs=TOKEN_INPUTS,
-            row_index_inputs=("logits_indices",),
+            row_index_inputs=ROW_INDEX_INPUTS,
         )
         forward = model.forward  # bound before `accelerate` patches the instance
 
         def ragged_forward(input_ids: torch.Tensor, position_ids: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+            # Dynamo reads this as True while it traces, and the compiled graph never runs this
+            # body; so it runs only uncompiled (set_stance("force_eager"), a stance that skips
+            # recompiles), where attention is the model's own, over all requests at once.
+            if not torch.compiler.is_compiling():
+                raise UnsupportedGenerationError(_UNCOMPILED)
             out = forward(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=logits_indices)
             return out.logits[0]
 
