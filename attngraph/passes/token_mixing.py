@@ -520,6 +520,8 @@ def _gathered_order(src_order: tuple | None, index: _Info, reason: str) -> tuple
         return index.order or ("perm", index.index_of[1])
     if kind == "inv" and src_order == ("perm", index.index_of[1]):
         return NATURAL
+    if src_order not in (None, NATURAL):
+        raise _Refuse("reads rows that were permuted and never put back in token order")
     raise _Refuse(reason)
 
 
