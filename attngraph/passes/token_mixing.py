@@ -72,9 +72,10 @@ class TokenMixingOp:
 
 # Row orders: natural, or sorted by one sort node (``("perm", node)``).
 NATURAL = ("natural",)
-# What an integer tensor's values index: rows of the natural order sorted by a sort
-# (``("root", sort)``), the inverse of that sort (``("inv", sort)``), the logits rows
-# (``("logits",)``), or positions along the flattened token axis (``("arange",)``).
+# What an integer tensor's values index: the rows a sort put in order, divided by d
+# (``("root", sort, d)``: ``perm // k`` maps a (token, choice) pair to its token), the inverse
+# of that sort (``("inv", sort)``), the logits rows (``("logits",)``), or positions along the
+# flattened token axis (``("arange",)``).
 LOGITS = ("logits",)
 ARANGE = ("arange",)
 
@@ -309,7 +310,7 @@ class _Checker:
         info = self.get(parent)
         if info.index_of and info.index_of[0] == "sorted":  # (values, indices) of a sort
             root = info.index_of[1]
-            return _Info(("perm", root), ("root", root) if idx == 1 else None)
+            return _Info(("perm", root), ("root", root, 1) if idx == 1 else None)
         return _Info(info.order if self.token_dims(node.meta.get("val")) else None, info.index_of)
 
     def _pointwise(self, node: fx.Node, carrying: list[fx.Node]) -> _Info:
@@ -324,10 +325,22 @@ class _Checker:
         orders = {self.get(n).order for n in carrying} - {None}
         if len(orders) > 1:
             raise _Refuse("combines rows that are in different orders")
-        index_of = None
-        if len(carrying) == 1 and all(not isinstance(a, fx.Node) or a is carrying[0] for a in node.args):
-            index_of = self.get(carrying[0]).index_of  # x // k of an index stays an index of the same rows
-        return _Info(next(iter(orders)) if orders else NATURAL, index_of)
+        return _Info(next(iter(orders)) if orders else NATURAL, self._index_after(node, carrying))
+
+    def _index_after(self, node: fx.Node, carrying: list[fx.Node]) -> tuple | None:
+        """What an index still indexes after an elementwise op: the same rows after a cast or
+        copy; after ``// k`` (k > 0) the pair-to-token map of a sort's rows; else nothing."""
+        if len(carrying) != 1 or node.args[0] is not carrying[0]:
+            return None
+        index_of = self.get(carrying[0]).index_of
+        name = _packet(node.target)
+        if name in ("_to_copy", "clone", "alias", "detach"):
+            return index_of
+        if name == "floor_divide" and index_of and index_of[0] == "root":
+            k = node.args[1]
+            if isinstance(k, int) and not isinstance(k, bool) and k > 0:
+                return ("root", index_of[1], index_of[2] * k)
+        return None
 
     def _view(self, node: fx.Node) -> _Info:
         src = node.args[0]
@@ -387,7 +400,7 @@ def _reduce(c: _Checker, node: fx.Node, carrying: list[fx.Node]) -> _Info:
     tok = set(c.token_dims(v))
     if dims is None or tok & set(dims):
         if name in ("sort", "argsort") and dims is not None:
-            return _Info(("perm", node), ("sorted", node) if name == "sort" else ("root", node))
+            return _Info(("perm", node), ("sorted", node) if name == "sort" else ("root", node, 1))
         what = (
             "softmax over the token axis" if name in SOFTMAXES
             else "cumulative scan over the token axis" if name in SCANS
@@ -504,32 +517,44 @@ def _index(c: _Checker, node: fx.Node, carrying: list[fx.Node]) -> _Info:
             continue
         iv, ii = idx.meta["val"], c.get(idx)
         if dim in tok:
-            order = _gathered_order(src_info.order, ii, "gathers along the token axis with indices computed in the graph")
+            order = _gathered_order(c, src_info.order, c.per_token(v.shape[dim]), ii)
         elif c.token_dims(iv):
-            if tok and order not in (None, ii.order):
-                raise _Refuse("combines rows that are in different orders")
+            if tok:
+                raise _Refuse("indexes one token's values by another token's indices")
             order = ii.order  # a per-row lookup (an expert's bias by the row's expert id)
     return _Info(order if c.token_dims(node.meta["val"]) else None, src_info.index_of if not tok else None)
 
 
-def _gathered_order(src_order: tuple | None, index: _Info, reason: str) -> tuple:
+def _gathered_order(c: _Checker, src_order: tuple | None, src_per_token: Any, index: _Info) -> tuple:
+    """Row order of ``src[index]`` gathered along a token dimension holding ``src_per_token``
+    rows per token; refuses unless it is the logits rows, a sort's rows, or their inverse."""
     kind = index.index_of[0] if index.index_of else None
     if kind == "logits" and src_order in (None, NATURAL):
         return NATURAL
-    if kind == "root" and src_order in (None, NATURAL):
-        return index.order or ("perm", index.index_of[1])
-    if kind == "inv" and src_order == ("perm", index.index_of[1]):
+    if kind == "root" and src_order in (None, NATURAL) and _fits(c, index.index_of, src_per_token):
+        return ("perm", index.index_of[1])
+    if kind == "inv" and src_order == ("perm", index.index_of[1]) and _fits(c, ("root", index.index_of[1], 1), src_per_token):
         return NATURAL
     if src_order not in (None, NATURAL):
         raise _Refuse("reads rows that were permuted and never put back in token order")
-    raise _Refuse(reason)
+    raise _Refuse("gathers along the token axis with indices computed in the graph")
+
+
+def _fits(c: _Checker, root: tuple, per_token: Any) -> bool:
+    """Does ``sorted_rows // d`` index whole tokens of a dimension with ``per_token`` rows each?
+    The sort ran over ``k * N`` token-major rows; ``// d`` leaves ``k / d`` rows per token."""
+    sort, d = root[1], root[2]
+    src = sort.args[0].meta["val"]
+    dim = fu.arg(sort, 1, "dim", -1) % src.dim()
+    k = c.per_token(src.shape[dim]) if isinstance(src.shape[dim], torch.SymInt) else None
+    return k is not None and per_token is not None and k == d * per_token
 
 
 def _index_select(c: _Checker, node: fx.Node, carrying: list[fx.Node]) -> _Info:
     src, dim, idx = node.args[0], node.args[1], node.args[2]
     v = src.meta["val"]
     if dim % v.dim() in c.token_dims(v):
-        return _Info(_gathered_order(c.get(src).order, c.get(idx), "gathers along the token axis with indices computed in the graph"))
+        return _Info(_gathered_order(c, c.get(src).order, c.per_token(v.shape[dim % v.dim()]), c.get(idx)))
     return _Info(c.get(idx).order or c.get(src).order)
 
 
@@ -550,11 +575,12 @@ def _index_put(c: _Checker, node: fx.Node, carrying: list[fx.Node]) -> _Info:
         if idx is None or dim not in tok:
             continue
         ii = c.get(idx)
-        root = ii.index_of[1] if ii.index_of and ii.index_of[0] == "root" else None
-        if root is not None and vi.index_of == ARANGE and not accumulate:
-            return _Info(NATURAL, ("inv", root))  # inv[perm] = arange(S): the inverse permutation
-        if root is not None and accumulate and vi.order == ("perm", root):
-            return _Info(NATURAL)  # out[perm] += rows: restores the natural order
+        root = ii.index_of if ii.index_of and ii.index_of[0] == "root" else None
+        fits = root is not None and _fits(c, root, c.per_token(v.shape[dim]))
+        if fits and root[2] == 1 and vi.index_of == ARANGE and not accumulate:
+            return _Info(NATURAL, ("inv", root[1]))  # inv[perm] = arange(S): the inverse permutation
+        if fits and accumulate and vi.order == ("perm", root[1]):
+            return _Info(NATURAL)  # out[perm // k] += rows: restores the natural order
         raise _Refuse("writes along the token axis at indices computed in the graph")
     orders = {c.get(n).order for n in (dst, values) if isinstance(n, fx.Node) and c.token_dims(n.meta["val"])} - {None}
     if len(orders) > 1:
@@ -567,7 +593,8 @@ def _index_add(c: _Checker, node: fx.Node, carrying: list[fx.Node]) -> _Info:
     v = dst.meta["val"]
     if dim % v.dim() in c.token_dims(v):
         ii = c.get(idx)
-        if ii.index_of and ii.index_of[0] == "root" and c.get(src).order == ("perm", ii.index_of[1]):
+        root = ii.index_of if ii.index_of and ii.index_of[0] == "root" else None
+        if root and c.get(src).order == ("perm", root[1]) and _fits(c, root, c.per_token(v.shape[dim % v.dim()])):
             return _Info(NATURAL)
         raise _Refuse("accumulates along the token axis at indices computed in the graph")
     return _Info(c.get(dst).order)

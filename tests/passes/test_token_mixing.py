@@ -49,6 +49,19 @@ def moe_dispatch(x, pos, k=2):
     return rows[inv].view(-1, k, H).sum(1)[None]                   # back in token order
 
 
+def moe_index_add(x, pos, k=2):
+    """The same dispatch, combined by accumulating each sorted row into its token."""
+    flat = x[0]
+    _, perm = torch.sort((flat @ W[:, :4]).topk(k, dim=-1).indices.reshape(-1))
+    return torch.zeros_like(flat).index_add(0, perm // k, flat[perm // k] * 2.0)[None]
+
+
+def sorted_rows_misread(x, pos, k=2):
+    flat = x[0]
+    _, perm = torch.sort((flat @ W[:, :4]).topk(k, dim=-1).indices.reshape(-1))
+    return torch.zeros_like(flat).index_add(0, perm % k, flat[perm // k])[None]  # % k: not a token
+
+
 TOKEN_WISE = {
     "mlp_and_norm": lambda x, pos: F.silu(x @ W) * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6),
     "rope_by_position": lambda x, pos: x * torch.cos(pos[..., None].float() / 10) + x.flip(-1) * torch.sin(pos[..., None].float()),
@@ -58,6 +71,7 @@ TOKEN_WISE = {
     ),
     "heads_view": lambda x, pos: x.view(1, -1, 4, 4).transpose(1, 2).softmax(-1).transpose(1, 2).reshape(1, -1, H),
     "moe_dispatch": moe_dispatch,
+    "moe_index_add": moe_index_add,
 }
 
 MIXING = {
@@ -73,6 +87,8 @@ MIXING = {
     "token_scores": (lambda x, pos: (x @ x.transpose(1, 2)).softmax(-1) @ x, "tokens with tokens"),
     "unrestored_sort": (lambda x, pos: x[:, torch.sort(x.sum(-1)[0]).indices], "permuted and never put back"),
     "softmax_over_tokens": (lambda x, pos: x * x.sum(-1).softmax(-1)[..., None], "softmax over the token axis"),
+    "sorted_rows_misread": (sorted_rows_misread, "accumulates along the token axis"),
+    "pairs_read_as_tokens": (lambda x, pos: x[:, torch.sort(x.sum(-1).repeat(1, 2)[0]).indices % x.shape[1]], "token axis"),
     "outer_product": (lambda x, pos: (x.sum(-1)[:, :, None] * x.sum(-1)[:, None, :]).sum(-1)[..., None] * x, "broadcast against each other"),
 }
 
