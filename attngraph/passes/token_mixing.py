@@ -582,6 +582,8 @@ def _index_put(c: _Checker, node: fx.Node, carrying: list[fx.Node]) -> _Info:
         if fits and accumulate and vi.order == ("perm", root[1]):
             return _Info(NATURAL)  # out[perm // k] += rows: restores the natural order
         raise _Refuse("writes along the token axis at indices computed in the graph")
+    if vi.index_of == ARANGE:
+        raise _Refuse("uses the index along the flattened token axis (an arange over tokens) as data")
     orders = {c.get(n).order for n in (dst, values) if isinstance(n, fx.Node) and c.token_dims(n.meta["val"])} - {None}
     if len(orders) > 1:
         raise _Refuse("combines rows that are in different orders")
