@@ -3,6 +3,7 @@
 >>> sites = find_attention(gm)          # what is there, and what may be lowered
 >>> lower_attention(gm, sites)          # rewrite lowerable sites to torch.ops.attngraph.attention
 >>> cleanup(gm)                         # drop the dead mask / repeat_kv code
+>>> check_token_mixing(gm)              # ragged graphs: ops besides attention that mix tokens
 """
 
 from .cleanup import cleanup
@@ -10,10 +11,13 @@ from .find_attention import find_attention
 from .lower_attention import ATTENTION_OP, lower_attention
 from .mask_analysis import MaskPattern, NotProvable, analyze_mask
 from .site import AttentionSite
+from .token_mixing import TokenMixingOp, check_token_mixing
 
 __all__ = [
     "ATTENTION_OP",
     "AttentionSite",
+    "TokenMixingOp",
+    "check_token_mixing",
     "MaskPattern",
     "NotProvable",
     "analyze_mask",
