@@ -71,6 +71,7 @@ def find_attention(
     trusted = {n for n in gm.graph.nodes if n.op == "placeholder" and any(t in n.name for t in trusted_positions)}
     sites: list[AttentionSite] = []
     mask_cache: dict[tuple, Any] = {}
+    activations: set[fx.Node] | None = None
     with fu.unchanged(gm.graph):  # this pass only reads the graph: index its aliasing once
         for node in gm.graph.nodes:
             site = None
@@ -78,6 +79,9 @@ def find_attention(
                 site = _match_sdpa(gm, node)
             elif fu.is_op(node, fu.SOFTMAX):
                 site = _match_eager(gm, node)
+                if site is None:
+                    activations = activations if activations is not None else _activation_nodes(gm.graph)
+                    site = _unmatched_attention(node, activations)
             if site is None:
                 continue
             if site.reason == "":
@@ -243,6 +247,86 @@ def _match_eager(gm: fx.GraphModule, softmax: fx.Node) -> AttentionSite | None:
             if training and not (isinstance(p_drop, (int, float)) and p_drop == 0):
                 return site.refuse(f"dropout p={_show(p_drop)} in training mode")
     return site
+
+
+# --------------------------------------------------------------------------- unmatched softmax
+# A softmax over keys of scores computed as a product of two activations is attention, whatever
+# happens around it. When the matchers above do not accept it (GPT-OSS concatenates its sink
+# logits to the scores and slices the probabilities back), it is still reported, refused with
+# what was seen: the paged runtime must fail loudly on it and `explain` must show it.
+
+#: Ops an upward walk from the scores does not cross: they start another computation.
+_WALK_STOPS = {torch.nn.functional.linear, torch._C._nn.linear, "linear", torch.nn.functional.embedding,
+               torch.nn.functional.layer_norm, torch.nn.functional.rms_norm, "softmax", torch.softmax,
+               torch.nn.functional.softmax}
+#: Spellings of concatenation.
+_CAT = {torch.cat, torch.concat, torch.concatenate}
+
+
+def _activation_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes whose values derive from a model input (not only from parameters, buffers,
+    constants or sizes)."""
+    act: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            val = fu.example_value(n)
+            if isinstance(val, torch.Tensor) and not isinstance(val, torch.nn.Parameter) and "_buffers_" not in n.name:
+                act.add(n)
+        elif n.op in ("call_function", "call_method") and not _is_size_query(n):
+            if any(a in act for a in n.all_input_nodes):
+                act.add(n)
+    return act
+
+
+def _is_size_query(n: fx.Node) -> bool:
+    return fu.is_op(n, fu.SHAPE_QUERIES) or (n.target is getattr and len(n.args) > 1 and n.args[1] in fu.SHAPE_ATTRS)
+
+
+def _unmatched_attention(softmax: fx.Node, activations: set[fx.Node], depth: int = 10) -> AttentionSite | None:
+    """A refused site for a softmax over the last dimension of scores that come, within a few
+    elementwise / layout steps, from a product of two activations (q @ k^T); else None."""
+    val = fu.example_value(softmax)
+    dim = fu.arg(softmax, 1, "dim", None)
+    if not isinstance(val, torch.Tensor) or val.dim() < 2 or not isinstance(dim, int) or dim % val.dim() != val.dim() - 1:
+        return None
+    product = None
+    frontier, seen = [fu.arg(softmax, 0, "input")], set()
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            if not isinstance(n, fx.Node) or n in seen or n not in activations:
+                continue
+            seen.add(n)
+            if fu.is_op(n, _PRODUCTS):
+                operands = [a for a in n.all_input_nodes if isinstance(fu.example_value(a), torch.Tensor)]
+                if len(operands) >= 2 and sum(a in activations for a in operands) >= 2:
+                    product = n
+                    break
+                continue
+            if fu.is_op(n, _WALK_STOPS):
+                continue
+            nxt.extend(n.all_input_nodes)
+        if product is not None or not nxt:
+            break
+        frontier = nxt
+    if product is None:
+        return None
+    site = _new_site(softmax, "eager")
+    path = fu.between(product, softmax)
+    cat = next((n for n in path if fu.is_op(n, _CAT)), None)
+    if cat is not None:
+        extra = [a for a in (cat.args[0] if cat.args and isinstance(cat.args[0], (list, tuple)) else []) if a not in path]
+        what = ", ".join(a.name for a in extra if isinstance(a, fx.Node)) or "another tensor"
+        return site.refuse(
+            f"sink logits concatenated to the scores before the softmax ({cat.name} = cat(scores, {what})): "
+            "the attention op has no attention sinks"
+        )
+    users = list(softmax.users)
+    return site.refuse(
+        f"a softmax over q @ k^T ({product.name}) that the matchers do not recognize: the scores come from "
+        f"{_producer(fu.arg(softmax, 0, 'input'))} and the probabilities go to "
+        f"{', '.join(_producer(u) for u in users) or 'nothing'}"
+    )
 
 
 # --------------------------------------------------------------------------- in-place writes

@@ -268,8 +268,15 @@ def unsatisfiable(formula: Boolean, assumptions: list[Boolean] = ()) -> bool:
     f = _lift_piecewise(f)
     f = f.replace(lambda e: isinstance(e, sympy.core.relational.Relational), lambda r: r.func(aux.eliminate(r.lhs), aux.eliminate(r.rhs)))
     f = sympy.And(f, *aux.bounds)
+    # sympy drops ``x >= 0`` for a symbol declared nonnegative: restate the declarations
+    signs: list[Ineq] = []
+    for x in f.free_symbols:
+        if x.is_positive:
+            signs.append(({x: Fraction(-1)}, Fraction(1)))
+        elif x.is_nonnegative:
+            signs.append(({x: Fraction(-1)}, Fraction(0)))
     for conj in _nnf_dnf(f):
-        ineqs: list[Ineq] = []
+        ineqs: list[Ineq] = list(signs)
         for rel in conj:
             if isinstance(rel, (BooleanTrue, BooleanFalse)) or rel in (True, False):
                 if rel in (False,) or isinstance(rel, BooleanFalse):

@@ -203,11 +203,7 @@ def probe_assignments(inputs: list[fx.Node], constants: list[int]) -> list[dict[
         return [{}]
     probes = [dict(hints), {s: v + 1 for s, v in hints.items()}]
     big = max([0] + constants) + 3
-    if big > max(hints.values()):
-        if big > MAX_PROBE_LEN:
-            raise NotProvable(
-                f"the mask uses the constant {big - 3}, beyond the largest probe length {MAX_PROBE_LEN}"
-            )
+    if max(hints.values()) < big <= MAX_PROBE_LEN:  # beyond it, the proof alone decides
         probes.append({s: big for s in hints})
     return probes
 
@@ -277,9 +273,61 @@ def analyze_mask(
             raise NotProvable("the mask is not a tensor")
         k_len = _concrete(k_shape[-2], assignment)
         seen.append((classify(value, _concrete(q_shape[-2], assignment), k_len), k_len))
-    candidate = _merge(seen)
-    prove_pattern(mask, candidate, q_shape[-2], k_shape[-2], set(trusted_positions))
-    return candidate
+    _merge(seen)  # the probes refuse early, with a concrete reason; they accept nothing
+    return prove_mask(mask, q_shape[-2], k_shape[-2], set(trusted_positions))
+
+
+def prove_mask(mask: fx.Node, q_len: Any, k_len: Any, positions: set[fx.Node] = frozenset()) -> MaskPattern:
+    """The pattern of ``mask`` for ``q_len`` queries and ``k_len`` keys (ints or SymInts),
+    proven for every value of the size symbols; `NotProvable` with the reason otherwise."""
+    try:
+        allowed, shape = mask_formula(mask, positions)
+    except NotProvable as exc:
+        raise NotProvable(f"the mask cannot be proven causal, sliding-window or full for every length: {exc}") from None
+    sq, sk = size_expr(q_len), size_expr(k_len)
+    ranges = _shape_env_ranges(mask)
+    pattern = candidate_pattern(allowed, shape, sq, sk, ranges)
+    prove_pattern(allowed, shape, pattern, sq, sk, ranges)
+    return pattern
+
+
+#: Length at which `candidate_pattern` reads a window off the formula (a larger window is
+#: taken for plain causal, which the proof then rejects: a refusal, never a wrong lowering).
+CANDIDATE_LEN = 1 << 20
+
+
+def candidate_pattern(allowed: Any, shape: tuple, sq: Any, sk: Any, ranges: dict) -> MaskPattern:
+    """Read the pattern the formula shows for the first and the last query at a long length:
+    a guess that `prove_pattern` must then confirm for every length."""
+    import numpy as np
+
+    n = len(shape)
+    row, col = I[n - 2], I[n - 1]
+    sizes = {s for e in (allowed, sq, sk) for s in getattr(e, "free_symbols", ()) if s not in I}
+    values = {}
+    for s in sizes:
+        lo, hi = ranges.get(s.name, (0, None))
+        values[s] = sympy.Integer(max(lo, min(CANDIDATE_LEN, hi if hi is not None else CANDIDATE_LEN)))
+    q_n, k_n = int(sq.xreplace(values)), int(sk.xreplace(values))
+    if q_n < 1 or k_n < 1:
+        raise NotProvable("the mask has no queries or no keys")
+    base = allowed.xreplace({I[k]: sympy.Integer(0) for k in range(n - 2)}).xreplace(values)
+    keys = np.arange(k_n, dtype=np.int64)
+
+    def visible(r: int):
+        e = base.xreplace({row: sympy.Integer(r if shape[-2] != 1 else 0)})
+        if shape[-1] == 1:
+            e = e.xreplace({col: sympy.Integer(0)})
+        got = sympy.lambdify([col], e, "numpy")(keys)
+        return np.nonzero(np.broadcast_to(np.asarray(got, dtype=bool), keys.shape))[0]
+
+    last, first = visible(q_n - 1), visible(0)
+    if len(last) == k_n and len(first) == k_n:
+        return MaskPattern(False)
+    # the last query sits at position k_n - 1 (bottom-right alignment)
+    if len(last) and last[-1] == k_n - 1 and last[0] == k_n - len(last):
+        return MaskPattern(True, -1 if last[0] == 0 else len(last) - 1)
+    raise NotProvable("the mask is not causal, sliding-window causal, or full (read at the last query)")
 
 
 def mask_formula(mask: fx.Node, positions: set[fx.Node] = frozenset()) -> tuple[Any, tuple]:
@@ -311,16 +359,10 @@ def pattern_formula(pattern: MaskPattern, row: sympy.Expr, col: sympy.Expr, offs
     return allowed
 
 
-def prove_pattern(
-    mask: fx.Node, pattern: MaskPattern, q_len: Any, k_len: Any, positions: set[fx.Node] = frozenset()
-) -> None:
-    """Prove that ``mask`` (for ``q_len`` queries and ``k_len`` keys, possibly symbolic) is
-    ``pattern`` at every length; raise `NotProvable` with the reason otherwise."""
-    try:
-        allowed, shape = mask_formula(mask, positions)
-    except NotProvable as exc:
-        raise NotProvable(f"the mask cannot be proven {pattern.describe()} for every length: {exc}") from None
-    sq, sk = size_expr(q_len), size_expr(k_len)
+def prove_pattern(allowed: Any, shape: tuple, pattern: MaskPattern, sq: Any, sk: Any, ranges: dict) -> None:
+    """Prove that the mask formula ``allowed`` over index symbols of ``shape`` is ``pattern``
+    for ``sq`` queries and ``sk`` keys (sympy sizes) at every length the shape environment
+    allows; raise `NotProvable` with the reason otherwise."""
     n = len(shape)
     if n < 2:
         raise NotProvable(f"mask of shape {shape} has no query and key dimensions")
@@ -332,7 +374,7 @@ def prove_pattern(
     allowed = allowed.xreplace({I[k]: sympy.Integer(0) for k in (n - 2, n - 1) if shape[k] == 1})
     domain = [row >= 0, row <= sq - 1, col >= 0, col <= sk - 1]
     domain += [sympy.And(I[k] >= 0, I[k] <= shape[k] - 1) for k in range(n - 2)]
-    domain += _size_ranges(mask, [allowed, sq, sk, *shape])
+    domain += _size_ranges(ranges, [allowed, sq, sk, *shape])
     want = pattern_formula(pattern, row, col, sk - sq)
     try:
         same, how = linear_proof.equivalent(allowed, want, domain)
@@ -345,14 +387,13 @@ def prove_pattern(
         )
 
 
-def _size_ranges(mask: fx.Node, exprs: list[Any]) -> list[Any]:
+def _size_ranges(ranges: dict, exprs: list[Any]) -> list[Any]:
     """Bounds of the size symbols in ``exprs``, from the graph's shape environment (Dynamo
     specializes sizes 0 and 1, so its symbols start at 2); 0 when it is not known."""
     symbols = set()
     for e in exprs:
         if hasattr(e, "free_symbols"):
             symbols |= {s for s in e.free_symbols if s not in I and not isinstance(s, sympy.Dummy)}
-    ranges = _shape_env_ranges(mask)
     out = []
     for s in symbols:
         lo, hi = ranges.get(s.name, (0, None))
