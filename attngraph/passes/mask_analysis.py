@@ -363,6 +363,8 @@ def prove_pattern(allowed: Any, shape: tuple, pattern: MaskPattern, sq: Any, sk:
     """Prove that the mask formula ``allowed`` over index symbols of ``shape`` is ``pattern``
     for ``sq`` queries and ``sk`` keys (sympy sizes) at every length the shape environment
     allows; raise `NotProvable` with the reason otherwise."""
+    if isinstance(allowed, sympy.Piecewise):
+        allowed = linear_proof.piecewise_to_bool(allowed)
     n = len(shape)
     if n < 2:
         raise NotProvable(f"mask of shape {shape} has no query and key dimensions")
