@@ -37,7 +37,15 @@ import torch
 from torch import fx
 
 from . import fx_utils as fu
-from .mask_analysis import NotProvable, analyze_mask, constant_value, is_scalar_item
+from .mask_analysis import (
+    NotProvable,
+    analyze_mask,
+    constant_value,
+    extract_subgraph,
+    is_scalar_item,
+    unseen_mutation,
+    value_inputs,
+)
 from .site import AttentionSite, ScaleExpr
 
 logger = logging.getLogger(__name__)
@@ -71,6 +79,7 @@ def find_attention(
     trusted = {n for n in gm.graph.nodes if n.op == "placeholder" and any(t in n.name for t in trusted_positions)}
     sites: list[AttentionSite] = []
     mask_cache: dict[tuple, Any] = {}
+    activations: set[fx.Node] | None = None
     with fu.unchanged(gm.graph):  # this pass only reads the graph: index its aliasing once
         for node in gm.graph.nodes:
             site = None
@@ -78,6 +87,9 @@ def find_attention(
                 site = _match_sdpa(gm, node)
             elif fu.is_op(node, fu.SOFTMAX):
                 site = _match_eager(gm, node)
+                if site is None:
+                    activations = activations if activations is not None else _activation_nodes(gm.graph)
+                    site = _unmatched_attention(node, activations)
             if site is None:
                 continue
             if site.reason == "":
@@ -111,8 +123,10 @@ def _match_sdpa(gm: fx.GraphModule, node: fx.Node) -> AttentionSite:
     if not (isinstance(dropout, (int, float)) and dropout == 0):
         return site.refuse(f"dropout_p={_show(dropout)} (attention dropout is active)")
     site.extra["is_causal"] = is_causal
-    site.k, n_rep_k = _peel_repeat_kv(k_fed)
-    site.v, n_rep_v = _peel_repeat_kv(v_fed)
+    site.k, n_rep_k, why_k = _peel_repeat_kv(gm, k_fed)
+    site.v, n_rep_v, why_v = _peel_repeat_kv(gm, v_fed)
+    if why_k or why_v:
+        return site.refuse(why_k or why_v)
     if n_rep_k != n_rep_v:
         return site.refuse("keys and values are repeated differently")
     site.extra["gqa_explicit"] = enable_gqa or n_rep_k > 1
@@ -222,9 +236,11 @@ def _match_eager(gm: fx.GraphModule, softmax: fx.Node) -> AttentionSite | None:
             return None
         return site.refuse(f"the key operand of q @ k^T is not a transposed [B, H, S, D] key ({_producer(kt)})")
     site.q, site.mask, site.scale, site.logit_cap = q, mask, scale, cap
-    site.k, n_rep_k = _peel_repeat_kv(k_fed)
-    site.v, n_rep_v = _peel_repeat_kv(out.args[1])
+    site.k, n_rep_k, why_k = _peel_repeat_kv(gm, k_fed)
+    site.v, n_rep_v, why_v = _peel_repeat_kv(gm, out.args[1])
     site.extra.update(is_causal=False, gqa_explicit=n_rep_k > 1, softmax=softmax)
+    if why_k or why_v:
+        return site.refuse(why_k or why_v)
     if n_rep_k != n_rep_v:
         return site.refuse("keys and values are repeated differently")
     write = _hidden_scores_write(scores, softmax, out)
@@ -243,6 +259,86 @@ def _match_eager(gm: fx.GraphModule, softmax: fx.Node) -> AttentionSite | None:
             if training and not (isinstance(p_drop, (int, float)) and p_drop == 0):
                 return site.refuse(f"dropout p={_show(p_drop)} in training mode")
     return site
+
+
+# --------------------------------------------------------------------------- unmatched softmax
+# A softmax over keys of scores computed as a product of two activations is attention, whatever
+# happens around it. When the matchers above do not accept it (GPT-OSS concatenates its sink
+# logits to the scores and slices the probabilities back), it is still reported, refused with
+# what was seen: the paged runtime must fail loudly on it and `explain` must show it.
+
+#: Ops an upward walk from the scores does not cross: they start another computation.
+_WALK_STOPS = {torch.nn.functional.linear, torch._C._nn.linear, "linear", torch.nn.functional.embedding,
+               torch.nn.functional.layer_norm, torch.nn.functional.rms_norm, "softmax", torch.softmax,
+               torch.nn.functional.softmax}
+#: Spellings of concatenation.
+_CAT = {torch.cat, torch.concat, torch.concatenate}
+
+
+def _activation_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes whose values derive from a model input (not only from parameters, buffers,
+    constants or sizes)."""
+    act: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            val = fu.example_value(n)
+            if isinstance(val, torch.Tensor) and not isinstance(val, torch.nn.Parameter) and "_buffers_" not in n.name:
+                act.add(n)
+        elif n.op in ("call_function", "call_method") and not _is_size_query(n):
+            if any(a in act for a in n.all_input_nodes):
+                act.add(n)
+    return act
+
+
+def _is_size_query(n: fx.Node) -> bool:
+    return fu.is_op(n, fu.SHAPE_QUERIES) or (n.target is getattr and len(n.args) > 1 and n.args[1] in fu.SHAPE_ATTRS)
+
+
+def _unmatched_attention(softmax: fx.Node, activations: set[fx.Node], depth: int = 10) -> AttentionSite | None:
+    """A refused site for a softmax over the last dimension of scores that come, within a few
+    elementwise / layout steps, from a product of two activations (q @ k^T); else None."""
+    val = fu.example_value(softmax)
+    dim = fu.arg(softmax, 1, "dim", None)
+    if not isinstance(val, torch.Tensor) or val.dim() < 2 or not isinstance(dim, int) or dim % val.dim() != val.dim() - 1:
+        return None
+    product = None
+    frontier, seen = [fu.arg(softmax, 0, "input")], set()
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            if not isinstance(n, fx.Node) or n in seen or n not in activations:
+                continue
+            seen.add(n)
+            if fu.is_op(n, _PRODUCTS):
+                operands = [a for a in n.all_input_nodes if isinstance(fu.example_value(a), torch.Tensor)]
+                if len(operands) >= 2 and sum(a in activations for a in operands) >= 2:
+                    product = n
+                    break
+                continue
+            if fu.is_op(n, _WALK_STOPS):
+                continue
+            nxt.extend(n.all_input_nodes)
+        if product is not None or not nxt:
+            break
+        frontier = nxt
+    if product is None:
+        return None
+    site = _new_site(softmax, "eager")
+    path = fu.between(product, softmax)
+    cat = next((n for n in path if fu.is_op(n, _CAT)), None)
+    if cat is not None:
+        extra = [a for a in (cat.args[0] if cat.args and isinstance(cat.args[0], (list, tuple)) else []) if a not in path]
+        what = ", ".join(a.name for a in extra if isinstance(a, fx.Node)) or "another tensor"
+        return site.refuse(
+            f"sink logits concatenated to the scores before the softmax ({cat.name} = cat(scores, {what})): "
+            "the attention op has no attention sinks"
+        )
+    users = list(softmax.users)
+    return site.refuse(
+        f"a softmax over q @ k^T ({product.name}) that the matchers do not recognize: the scores come from "
+        f"{_producer(fu.arg(softmax, 0, 'input'))} and the probabilities go to "
+        f"{', '.join(_producer(u) for u in users) or 'nothing'}"
+    )
 
 
 # --------------------------------------------------------------------------- in-place writes
@@ -455,14 +551,30 @@ def _scalar(gm: fx.GraphModule, c: Any) -> ScaleExpr:
 
 
 # --------------------------------------------------------------------------- repeat_kv
-def _peel_repeat_kv(x: Any) -> tuple[Any, int]:
-    """``(k, n_rep)`` when ``x`` is HF's repeat_kv of ``k`` (grouped: q head h uses kv head h // n_rep)."""
+def _peel_repeat_kv(gm: fx.GraphModule, x: Any) -> tuple[Any, int, str]:
+    """``(k, n_rep, "")`` when ``x`` is provably the grouped repetition of ``k`` (query head
+    ``h`` reads key head ``h // n_rep``); ``(x, 1, "")`` when ``x`` is used as it is;
+    ``(x, 1, reason)`` when ``x`` has the form of HF's repeat_kv but indexes something else too.
+
+    Accepted: ``k[:, :, None, :, :].expand(b, h, n, s, d).reshape(b, h * n, s, d)`` (HF's
+    repeat_kv, with no index but the new axis), ``k.repeat_interleave(n, dim=1)`` with an
+    integer ``n``, and ``k[:, idx]`` with an ``idx`` computed from constants alone whose value
+    is ``arange(h).repeat_interleave(n)``. Any other index (a permutation of the heads, a
+    reversed sequence) is not the grouped mapping: the tensor is then used as computed, or,
+    inside the repeat_kv form, the site is refused.
+    """
     if fu.is_op(x, fu.RESHAPE):
         e = x.args[0]
         if fu.is_op(e, fu.EXPAND) and fu.is_op(e.args[0], fu.GETITEM):
             g = e.args[0]
             index = g.args[1]
-            if isinstance(index, tuple) and len(index) == 5 and index[2] is None:
+            if isinstance(index, tuple) and len(index) in (3, 4, 5) and index[2] is None:
+                if any(not _full_slice(i) for k, i in enumerate(index) if k != 2):
+                    return x, 1, (
+                        f"the keys/values are repeated for grouped-query attention through the index "
+                        f"{_show_index(index)} ({g.name}), which is not only the new group axis: it may "
+                        "permute heads or positions, so the grouped mapping is not proven"
+                    )
                 src = g.args[0]
                 s_src, s_out = fu.shape_of(src), fu.shape_of(x)
                 s_exp = fu.shape_of(e)
@@ -471,14 +583,62 @@ def _peel_repeat_kv(x: Any) -> tuple[Any, int]:
                     if (
                         fu.size_hint(s_out[1]) == fu.size_hint(s_src[1]) * n_rep
                         and all(fu.same_size(s_out[i], s_src[i]) for i in (0, 2, 3))
+                        and all(fu.same_size(s_exp[i], s_src[j]) for i, j in ((0, 0), (1, 1), (3, 2), (4, 3)))
                     ):
-                        return src, n_rep
+                        return src, n_rep, ""
     if fu.is_op(x, fu.REPEAT_INTERLEAVE):
         n_rep = fu.arg(x, 1, "repeats")
         dim = fu.arg(x, 2, "dim")
-        if isinstance(n_rep, int) and dim in (1, -3):
-            return x.args[0], n_rep
-    return x, 1
+        if isinstance(n_rep, int) and dim in (1, -3) and fu.arg(x, 3, "output_size") in (None,):
+            return x.args[0], n_rep, ""
+    if fu.is_op(x, fu.GETITEM) and isinstance(x.args[1], tuple) and len(x.args[1]) == 2:
+        first, idx = x.args[1]
+        n_rep = _grouped_index(gm, idx, fu.shape_of(x.args[0])) if _full_slice(first) else None
+        if n_rep is not None:
+            return x.args[0], n_rep, ""
+    return x, 1, ""
+
+
+def _full_slice(i: Any) -> bool:
+    return isinstance(i, slice) and i.start is None and i.stop is None and i.step is None
+
+
+def _show_index(index: tuple) -> str:
+    def one(i):
+        if i is None:
+            return "None"
+        if _full_slice(i):
+            return ":"
+        return i.name if isinstance(i, fx.Node) else repr(i)
+
+    return "[" + ", ".join(one(i) for i in index) + "]"
+
+
+def _grouped_index(gm: fx.GraphModule, idx: Any, src_shape: tuple | None) -> int | None:
+    """``n`` when ``idx`` is computed from constants alone (no input values, no size symbol,
+    no in-place write) and equals ``arange(h).repeat_interleave(n)`` for the ``h`` heads of a
+    ``[B, h, S, D]`` source; else None."""
+    val = fu.example_value(idx)
+    if not isinstance(idx, fx.Node) or not isinstance(val, torch.Tensor) or val.dim() != 1 or src_shape is None:
+        return None
+    if len(src_shape) != 4 or val.dtype in (torch.bool, torch.uint8) or val.dtype.is_floating_point:
+        return None
+    if value_inputs(idx) or unseen_mutation(idx) is not None:
+        return None
+    sub, inputs = extract_subgraph(gm, idx)
+    if inputs:  # sizes or inputs: the value may change between calls
+        return None
+    try:
+        with torch.no_grad():
+            got = sub()
+    except Exception:
+        return None
+    h = fu.size_hint(src_shape[1])
+    if not isinstance(got, torch.Tensor) or got.numel() % h or got.numel() == 0:
+        return None
+    n = got.numel() // h
+    want = torch.arange(h).repeat_interleave(n)
+    return n if torch.equal(got.cpu().long(), want) else None
 
 
 # --------------------------------------------------------------------------- checks

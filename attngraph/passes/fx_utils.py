@@ -88,7 +88,7 @@ def example_value(node: Any) -> Any:
         if key in node.meta:
             return node.meta[key]
     tm = node.meta.get("tensor_meta")
-    if tm is not None:
+    if tm is not None and hasattr(tm, "shape"):  # (a tuple result holds one per element)
         return torch.empty(tm.shape, dtype=tm.dtype, device="meta")
     return None
 

@@ -1,17 +1,20 @@
-"""Prove what an attention mask in a graph is, by evaluating its subgraph on probe shapes.
+"""Prove what an attention mask in a graph is, for every sequence length.
 
 A mask may be replaced by the op's own ``causal`` / ``window_left`` parameters only when it
 is a function of shapes and positions alone. `value_inputs` finds the graph inputs whose
 *values* (not just sizes) reach the mask; any input other than the trusted positions makes
-the mask data-dependent and the site stays as it is. Otherwise `analyze_mask` extracts the
-mask's subgraph, evaluates it on probe sizes, and reads off the pattern: causal (aligned
-bottom-right), causal with a sliding window, or full. Instead of matching the many ways HF
-versions build masks, this checks what they compute.
+the mask data-dependent and the site stays as it is. Otherwise `analyze_mask`:
 
-Probe sizes: a static graph is evaluated at its one shape, which is exact. A graph with
-symbolic sizes is evaluated at the traced sizes, one larger, and at a size beyond every
-integer constant in the mask's subgraph, so that a window (which appears there as a
-constant) cannot hide behind short probe sequences.
+1. evaluates the mask's subgraph on a few probe sizes and reads off a *candidate*: causal
+   (aligned bottom-right), causal with a sliding window of ``W`` keys, or full. Probing only
+   proposes; it proves nothing about lengths it did not try;
+2. derives the mask's element formula over (query row, key column, the graph's size symbols)
+   from the subgraph (`symbolic_mask`) and proves it equal to the candidate for every
+   integer value of those symbols that the shape environment allows (`linear_proof`). ``W``
+   is a number in the candidate, so a window that changes with the length (``i - j < S // 3``)
+   fails the proof, as does any mask that is no such pattern at some length.
+
+A site is lowered only when step 2 succeeds; otherwise the refusal says why.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ import sympy
 import torch
 from torch import fx
 
+from . import linear_proof, symbolic_mask
 from .fx_utils import SHAPE_ATTRS, SHAPE_QUERIES, aliases, example_value, first_write, is_op
+from .symbolic_mask import I, NotProvable, size_expr
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +46,6 @@ class MaskPattern:
         if not self.causal:
             return "full"
         return "causal" if self.window_left < 0 else f"causal, window {self.window_left + 1}"
-
-
-class NotProvable(Exception):
-    """The mask (or value) could not be proven to be a pure function of shapes/positions."""
 
 
 def _is_shape_query(node: fx.Node) -> bool:
@@ -202,11 +203,7 @@ def probe_assignments(inputs: list[fx.Node], constants: list[int]) -> list[dict[
         return [{}]
     probes = [dict(hints), {s: v + 1 for s, v in hints.items()}]
     big = max([0] + constants) + 3
-    if big > max(hints.values()):
-        if big > MAX_PROBE_LEN:
-            raise NotProvable(
-                f"the mask uses the constant {big - 3}, beyond the largest probe length {MAX_PROBE_LEN}"
-            )
+    if max(hints.values()) < big <= MAX_PROBE_LEN:  # beyond it, the proof alone decides
         probes.append({s: big for s in hints})
     return probes
 
@@ -276,7 +273,157 @@ def analyze_mask(
             raise NotProvable("the mask is not a tensor")
         k_len = _concrete(k_shape[-2], assignment)
         seen.append((classify(value, _concrete(q_shape[-2], assignment), k_len), k_len))
-    return _merge(seen)
+    _merge(seen)  # the probes refuse early, with a concrete reason; they accept nothing
+    return prove_mask(mask, q_shape[-2], k_shape[-2], set(trusted_positions))
+
+
+def prove_mask(mask: fx.Node, q_len: Any, k_len: Any, positions: set[fx.Node] = frozenset()) -> MaskPattern:
+    """The pattern of ``mask`` for ``q_len`` queries and ``k_len`` keys (ints or SymInts),
+    proven for every value of the size symbols; `NotProvable` with the reason otherwise."""
+    try:
+        allowed, shape = mask_formula(mask, positions)
+    except NotProvable as exc:
+        raise NotProvable(f"the mask cannot be proven causal, sliding-window or full for every length: {exc}") from None
+    sq, sk = size_expr(q_len), size_expr(k_len)
+    ranges = _shape_env_ranges(mask)
+    pattern = candidate_pattern(allowed, shape, sq, sk, ranges)
+    prove_pattern(allowed, shape, pattern, sq, sk, ranges)
+    return pattern
+
+
+#: Length at which `candidate_pattern` reads a window off the formula (a larger window is
+#: taken for plain causal, which the proof then rejects: a refusal, never a wrong lowering).
+CANDIDATE_LEN = 1 << 20
+
+
+def candidate_pattern(allowed: Any, shape: tuple, sq: Any, sk: Any, ranges: dict) -> MaskPattern:
+    """Read the pattern the formula shows for the first and the last query at a long length:
+    a guess that `prove_pattern` must then confirm for every length."""
+    import numpy as np
+
+    n = len(shape)
+    row, col = I[n - 2], I[n - 1]
+    sizes = {s for e in (allowed, sq, sk) for s in getattr(e, "free_symbols", ()) if s not in I}
+    values = {}
+    for s in sizes:
+        lo, hi = ranges.get(s.name, (0, None))
+        values[s] = sympy.Integer(max(lo, min(CANDIDATE_LEN, hi if hi is not None else CANDIDATE_LEN)))
+    q_n, k_n = int(sq.xreplace(values)), int(sk.xreplace(values))
+    if q_n < 1 or k_n < 1:
+        raise NotProvable("the mask has no queries or no keys")
+    base = allowed.xreplace({I[k]: sympy.Integer(0) for k in range(n - 2)}).xreplace(values)
+    keys = np.arange(k_n, dtype=np.int64)
+
+    def visible(r: int):
+        e = base.xreplace({row: sympy.Integer(r if shape[-2] != 1 else 0)})
+        if shape[-1] == 1:
+            e = e.xreplace({col: sympy.Integer(0)})
+        got = sympy.lambdify([col], e, "numpy")(keys)
+        return np.nonzero(np.broadcast_to(np.asarray(got, dtype=bool), keys.shape))[0]
+
+    last, first = visible(q_n - 1), visible(0)
+    if len(last) == k_n and len(first) == k_n:
+        return MaskPattern(False)
+    # the last query sits at position k_n - 1 (bottom-right alignment)
+    if len(last) and last[-1] == k_n - 1 and last[0] == k_n - len(last):
+        return MaskPattern(True, -1 if last[0] == 0 else len(last) - 1)
+    raise NotProvable("the mask is not causal, sliding-window causal, or full (read at the last query)")
+
+
+def mask_formula(mask: fx.Node, positions: set[fx.Node] = frozenset()) -> tuple[Any, tuple]:
+    """``(allowed, shape)``: the Boolean formula, in the index symbols ``I[k]`` of the mask's
+    dimensions and the graph's size symbols, of "this query may see this key" (SDPA
+    convention: a bool mask is True where allowed, a float mask adds 0 there and a value at or
+    below -1e4 elsewhere)."""
+    value = symbolic_mask.ElementInterpreter(positions).run(mask)
+    if value.kind == "bool":
+        return value.expr, value.shape
+    if value.kind != "float":
+        raise NotProvable(f"mask of dtype {value.dtype}")
+    for leaf in symbolic_mask._leaves(value.expr):
+        if leaf == 0 or leaf == -sympy.oo or (leaf.is_number and leaf.is_real and leaf <= -1e4):
+            continue
+        raise NotProvable("the mask adds values other than 0 and -inf (a bias, not a mask)")
+    return symbolic_mask._rel(sympy.Eq, value.expr, sympy.Integer(0)), value.shape
+
+
+def pattern_formula(pattern: MaskPattern, row: sympy.Expr, col: sympy.Expr, offset: sympy.Expr) -> Any:
+    """The keys a query may see under ``pattern``: query ``row`` sits at position
+    ``row + offset`` (``offset = k_len - q_len``: aligned bottom-right), key ``col`` at ``col``."""
+    if not pattern.causal:
+        return sympy.true
+    p = row + offset
+    allowed = col <= p
+    if pattern.window_left >= 0:
+        allowed = sympy.And(allowed, col >= p - pattern.window_left)
+    return allowed
+
+
+def prove_pattern(allowed: Any, shape: tuple, pattern: MaskPattern, sq: Any, sk: Any, ranges: dict) -> None:
+    """Prove that the mask formula ``allowed`` over index symbols of ``shape`` is ``pattern``
+    for ``sq`` queries and ``sk`` keys (sympy sizes) at every length the shape environment
+    allows; raise `NotProvable` with the reason otherwise."""
+    if isinstance(allowed, sympy.Piecewise):
+        allowed = linear_proof.piecewise_to_bool(allowed)
+    n = len(shape)
+    if n < 2:
+        raise NotProvable(f"mask of shape {shape} has no query and key dimensions")
+    for have, want, what in ((shape[-2], sq, "queries"), (shape[-1], sk, "keys")):
+        if have != 1 and sympy.simplify(have - want) != 0:
+            raise NotProvable(f"the mask has {have} {what} where the attention has {want}")
+    row, col = I[n - 2], I[n - 1]
+    # a dimension of size one broadcasts: every query (key) reads its single entry
+    allowed = allowed.xreplace({I[k]: sympy.Integer(0) for k in (n - 2, n - 1) if shape[k] == 1})
+    domain = [row >= 0, row <= sq - 1, col >= 0, col <= sk - 1]
+    domain += [sympy.And(I[k] >= 0, I[k] <= shape[k] - 1) for k in range(n - 2)]
+    domain += _size_ranges(ranges, [allowed, sq, sk, *shape])
+    want = pattern_formula(pattern, row, col, sk - sq)
+    try:
+        same, how = linear_proof.equivalent(allowed, want, domain)
+    except linear_proof.Unsupported as exc:
+        raise NotProvable(f"the mask cannot be proven {pattern.describe()} for every length: {exc}") from None
+    if not same:
+        raise NotProvable(
+            f"the mask is not {pattern.describe()} at every length (it {how}); "
+            "only causal, causal with a fixed window, and full masks are lowered"
+        )
+
+
+def _size_ranges(ranges: dict, exprs: list[Any]) -> list[Any]:
+    """Bounds of the size symbols in ``exprs``, from the graph's shape environment (Dynamo
+    specializes sizes 0 and 1, so its symbols start at 2); 0 when it is not known."""
+    symbols = set()
+    for e in exprs:
+        if hasattr(e, "free_symbols"):
+            symbols |= {s for s in e.free_symbols if s not in I and not isinstance(s, sympy.Dummy)}
+    out = []
+    for s in symbols:
+        lo, hi = ranges.get(s.name, (0, None))
+        out.append(s >= lo)
+        if hi is not None:
+            out.append(s <= hi)
+    return out
+
+
+def _shape_env_ranges(node: fx.Node) -> dict[str, tuple[int, int | None]]:
+    env = None
+    for n in node.graph.nodes:
+        val = example_value(n)
+        sizes = [val] if isinstance(val, torch.SymInt) else list(val.shape) if isinstance(val, torch.Tensor) else []
+        for s in sizes:
+            if isinstance(s, torch.SymInt):
+                env = s.node.shape_env
+                break
+        if env is not None:
+            break
+    if env is None:
+        return {}
+    out = {}
+    for sym, vr in env.var_to_range.items():
+        lo = int(vr.lower) if getattr(vr.lower, "is_Integer", False) else 0
+        hi = int(vr.upper) if getattr(vr.upper, "is_Integer", False) else None
+        out[str(sym)] = (max(lo, 0), hi)
+    return out
 
 
 def _merge(seen: list[tuple[MaskPattern, int]]) -> MaskPattern:
