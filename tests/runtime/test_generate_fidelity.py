@@ -109,26 +109,38 @@ def test_prefill_chunks_of_leading_padding(llama):
 
 
 # ---------------------------------------------------------------- use_cache=False
+class Record:
+    """A logits processor that keeps the logits each step starts from."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, input_ids, scores):
+        self.seen.append(scores.clone())
+        return scores
+
+
 @pytest.mark.parametrize("how", ["return_dict", "streamer", "generation_config"])
 def test_use_cache_false_matches_hf(llama, how):
     model, reference = llama
     ids, mask = left_padded_batch(model.config.vocab_size, (10, 6), seed=6)
     common = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=PAD, eos_token_id=None)
-    outs = []
+    outs, records = [], []
     for m in (model, reference):
         if how == "return_dict":
-            kw = dict(use_cache=False, return_dict_in_generate=True, output_scores=True, output_logits=True)
+            kw = dict(use_cache=False, return_dict_in_generate=True, output_scores=True)
         elif how == "streamer":
             kw = dict(use_cache=False, streamer=Collect())
         else:
             cfg = copy.deepcopy(m.generation_config)
-            cfg.use_cache = False
+            cfg.use_cache, cfg.return_dict_in_generate, cfg.output_scores = False, True, True
             kw = dict(generation_config=cfg)
-        outs.append(m.generate(ids, **common, **kw))
+        records.append(Record())
+        outs.append(m.generate(ids, **common, **kw, logits_processor=transformers.LogitsProcessorList([records[-1]])))
     assert_same(*outs)
-    if how == "return_dict":
-        for a, b in zip(outs[0].logits, outs[1].logits):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert len(records[0].seen) == len(records[1].seen) == 6
+    for a, b in zip(records[0].seen, records[1].seen):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert_pool_empty(model)
 
 
