@@ -2,8 +2,10 @@
 
 transformers' own generation loop keeps doing what it does (logits processors, sampling,
 stopping criteria, streamers, ``return_dict_in_generate``); each forward it makes is served by
-the `ModelRunner` through a `PagedCache` owned by the call. A direct ``model(...)`` call
-without that cache runs the original forward untouched.
+the `ModelRunner` through a `PagedCache` owned by the call. Each prepared call is checked
+before its first forward (`generate_checks`): an option whose result would differ from HF's
+is refused by name. A direct ``model(...)`` call without that cache runs the original forward
+untouched; ``copy.deepcopy`` gives an un-accelerated copy.
 """
 
 from __future__ import annotations
@@ -165,6 +167,8 @@ def _check_generate_options(model: torch.nn.Module, state: AcceleratedState, kwa
     for name in ("cache", "past_key_values"):
         if kwargs.get(name) is not None:
             problems.append(f"a user-supplied {name} (the accelerated generate manages its own paged cache)")
+    if kwargs.get("synced_gpus"):
+        problems.append("synced_gpus (one process serves the paged runtime)")
     if kwargs.get("custom_generate") is not None:
         problems.append("custom_generate (attngraph supplies its own decoding loop)")
     if kwargs.get("cache_implementation") is not None:
