@@ -18,6 +18,7 @@ import threading
 from typing import Any
 
 import torch
+import torch._dynamo
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..config import CompileConfig
@@ -30,6 +31,8 @@ from .paged_cache import PagedCache, check_token_ids
 logger = logging.getLogger(__name__)
 
 _STATE_ATTR = "_attngraph_state"
+#: Dynamo's "recompiled too often" error (an empty tuple catches nothing where it is absent).
+_RECOMPILE_LIMIT_HIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())
 SUPPORTED_MODES = "greedy decoding and multinomial sampling (temperature, top-k, top-p, logits processors), num_beams=1"
 
 
@@ -217,7 +220,7 @@ def _generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             loop = {"custom_generate": paged_sample, "attngraph_streamer": kwargs.get("streamer")}
             kwargs = _without_cache_implementation(model, kwargs)
             return state.original_generate(*args, **{state.cache_kwarg: cache}, **loop, **kwargs)
-        except torch._dynamo.exc.FailOnRecompileLimitHit as exc:
+        except _RECOMPILE_LIMIT_HIT as exc:
             raise UnsupportedModelError(
                 "the accelerated model's graph was recompiled more often than Dynamo allows "
                 "(torch._dynamo.config.recompile_limit): something the graph depends on keeps changing between "
