@@ -2,8 +2,10 @@
 
 transformers' own generation loop keeps doing what it does (logits processors, sampling,
 stopping criteria, streamers, ``return_dict_in_generate``); each forward it makes is served by
-the `ModelRunner` through a `PagedCache` owned by the call. A direct ``model(...)`` call
-without that cache runs the original forward untouched.
+the `ModelRunner` through a `PagedCache` owned by the call. Each prepared call is checked
+before its first forward (`generate_checks`): an option whose result would differ from HF's
+is refused by name. A direct ``model(...)`` call without that cache runs the original forward
+untouched; ``copy.deepcopy`` gives an un-accelerated copy.
 """
 
 from __future__ import annotations
@@ -16,17 +18,21 @@ import threading
 from typing import Any
 
 import torch
+import torch._dynamo
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..config import CompileConfig
 from ..errors import AttnGraphError, UnsupportedGenerationError, UnsupportedModelError
 from .decode_loop import paged_sample
+from .generate_checks import check_forward_kwargs
 from .model_runner import ModelRunner
 from .paged_cache import PagedCache, check_token_ids
 
 logger = logging.getLogger(__name__)
 
 _STATE_ATTR = "_attngraph_state"
+#: Dynamo's "recompiled too often" error (an empty tuple catches nothing where it is absent).
+_RECOMPILE_LIMIT_HIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())
 SUPPORTED_MODES = "greedy decoding and multinomial sampling (temperature, top-k, top-p, logits processors), num_beams=1"
 
 
@@ -68,12 +74,55 @@ def accelerate(model: torch.nn.Module, config: CompileConfig | None = None, **op
     if getattr(model.config, "is_encoder_decoder", False):
         raise UnsupportedModelError("encoder-decoder models are not supported by accelerate(); use torch.compile")
     cfg = CompileConfig.from_kwargs(config, **options)
+    _check_rope(model)
     state = AcceleratedState(model, cfg)
-    state.runner.warmup()
+    try:
+        state.runner.warmup()
+    except torch._dynamo.exc.Unsupported as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UnsupportedModelError(
+            f"Dynamo cannot trace {type(model).__name__} in the ragged form accelerate() compiles ({first}). "
+            "Use the stateless form, torch.compile(model, backend='attngraph'), which allows graph breaks, "
+            "or HF's own generate."
+        ) from exc
     object.__setattr__(model, _STATE_ATTR, state)
     model.forward = _bind(_forward, model, state.original_forward)
     model.generate = _bind(_generate, model, state.original_generate)
+    # copy.deepcopy(model) looks up __deepcopy__ on the instance: an un-accelerated copy.
+    model.__dict__["__deepcopy__"] = functools.partial(_deepcopy, model)
     return model
+
+
+def _rope_types(node: Any) -> set[str]:
+    """Every ``rope_type`` in a config's RoPE parameters (a dict, or one dict per layer type)."""
+    if isinstance(node, dict):
+        found = {str(node[k]) for k in ("rope_type", "type") if isinstance(node.get(k), str)}
+        return found.union(*(_rope_types(v) for v in node.values() if isinstance(v, dict)))
+    return set()
+
+
+def _check_rope(model: torch.nn.Module) -> None:
+    cfg = model.config
+    types = _rope_types(getattr(cfg, "rope_parameters", None)) | _rope_types(getattr(cfg, "rope_scaling", None))
+    if "dynamic" in types:
+        raise UnsupportedModelError(
+            "rope_type='dynamic' is not supported by accelerate(): dynamic NTK RoPE recomputes its frequencies "
+            "from the longest position seen at run time (a data-dependent branch, and state carried between "
+            "steps), which one compiled ragged graph cannot reproduce. Use the stateless form, "
+            "torch.compile(model, backend='attngraph'), or HF's own generate."
+        )
+
+
+def _deepcopy(model: torch.nn.Module, memo: dict) -> torch.nn.Module:
+    """``copy.deepcopy`` of an accelerated model: a plain (un-accelerated) copy; the compiled
+    graph and the KV pool are not copyable. Accelerate the copy to serve it too."""
+    state = state_of(model)
+    with state.lock:
+        saved = {k: model.__dict__.pop(k) for k in ("forward", "generate", "__deepcopy__", _STATE_ATTR) if k in model.__dict__}
+        try:
+            return copy.deepcopy(model, memo)
+        finally:
+            model.__dict__.update(saved)
 
 
 def _bind(fn, model: torch.nn.Module, original):
@@ -89,7 +138,7 @@ def restore(model: torch.nn.Module) -> torch.nn.Module:
     if state is None:
         return model
     with state.lock:
-        for name in ("forward", "generate"):
+        for name in ("forward", "generate", "__deepcopy__"):
             model.__dict__.pop(name, None)
         object.__delattr__(model, _STATE_ATTR)
         state.runner.release()
@@ -121,6 +170,8 @@ def _check_generate_options(model: torch.nn.Module, state: AcceleratedState, kwa
     for name in ("cache", "past_key_values"):
         if kwargs.get(name) is not None:
             problems.append(f"a user-supplied {name} (the accelerated generate manages its own paged cache)")
+    if kwargs.get("synced_gpus"):
+        problems.append("synced_gpus (one process serves the paged runtime)")
     if kwargs.get("custom_generate") is not None:
         problems.append("custom_generate (attngraph supplies its own decoding loop)")
     if kwargs.get("cache_implementation") is not None:
@@ -133,20 +184,48 @@ def _check_generate_options(model: torch.nn.Module, state: AcceleratedState, kwa
         )
 
 
+def _check_model_state(model: torch.nn.Module, state: AcceleratedState) -> None:
+    """The model must still be what `accelerate` compiled: same dtype and device (the KV pool
+    and the graph were built for them), and in eval mode (train mode would trace dropout)."""
+    runner = state.runner
+    param = next(model.parameters())
+    if (param.dtype, param.device) != (runner.dtype, runner.device):
+        raise AttnGraphError(
+            f"the model moved to {param.dtype} on {param.device} after attngraph.accelerate(), which compiled it "
+            f"and sized its KV pool for {runner.dtype} on {runner.device}; call attngraph.restore(model) and "
+            "attngraph.accelerate(model) again after .to(...)"
+        )
+    if model.training:
+        raise UnsupportedGenerationError(
+            "the model is in training mode (dropout active): attngraph's accelerated generate serves eval mode "
+            "only; call model.eval() first"
+        )
+
+
 def _generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     state = state_of(model)
     _check_generate_options(model, state, kwargs)
+    _check_model_state(model, state)
     ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
     if isinstance(ids, torch.Tensor):
         check_token_ids(ids, state.runner.device, "input_ids")
     with state.lock:  # one generate at a time per model: the runner's step state is shared
         cache = PagedCache(state.runner)
         try:
-            # HF prepares everything, then runs attngraph's decoding loop (it falls back to
-            # HF's own loop for streamers, return_dict_in_generate, custom stopping criteria).
-            loop = {"custom_generate": paged_sample} if _own_loop_applies(model, kwargs) else {}
+            # HF prepares everything, then calls attngraph's decoding loop, which checks the
+            # prepared call and runs its own loop or HF's (streamers, return_dict_in_generate,
+            # custom stopping criteria, use_cache=False), both on the paged runtime. A callable
+            # custom_generate receives no streamer from transformers: it is passed again by a
+            # keyword of the loop's own.
+            loop = {"custom_generate": paged_sample, "attngraph_streamer": kwargs.get("streamer")}
             kwargs = _without_cache_implementation(model, kwargs)
             return state.original_generate(*args, **{state.cache_kwarg: cache}, **loop, **kwargs)
+        except _RECOMPILE_LIMIT_HIT as exc:
+            raise UnsupportedModelError(
+                "the accelerated model's graph was recompiled more often than Dynamo allows "
+                "(torch._dynamo.config.recompile_limit): something the graph depends on keeps changing between "
+                "calls. Call attngraph.restore(model) and attngraph.accelerate(model) again after changing the model."
+            ) from exc
         finally:
             cache.free()
 
@@ -162,17 +241,6 @@ def _without_cache_implementation(model: torch.nn.Module, kwargs: dict) -> dict:
     return {**kwargs, "generation_config": gen_cfg}
 
 
-def _own_loop_applies(model: torch.nn.Module, kwargs: dict) -> bool:
-    """attngraph's decoding loop serves the call unless it streams, returns a dict, or brings
-    its own stopping criteria (then HF's loop runs, still on the paged runtime)."""
-    gen_cfg = kwargs.get("generation_config") or model.generation_config
-    if kwargs.get("streamer") is not None or kwargs.get("stopping_criteria") or kwargs.get("stop_strings"):
-        return False
-    if kwargs.get("max_time", getattr(gen_cfg, "max_time", None)) is not None:
-        return False
-    return not kwargs.get("return_dict_in_generate", getattr(gen_cfg, "return_dict_in_generate", False))
-
-
 def _forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     state = state_of(model)
     cache = kwargs.get(state.cache_kwarg)
@@ -182,10 +250,21 @@ def _forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         raise AttnGraphError("pass input_ids by keyword to an accelerated model's forward")
     if kwargs.get("inputs_embeds") is not None:
         raise UnsupportedGenerationError("inputs_embeds are not supported by the paged runtime; pass input_ids")
+    check_forward_kwargs(kwargs)
     input_ids = kwargs.get("input_ids")
     if input_ids is None:
         raise ValueError("input_ids is required")
-    logits = cache.step(input_ids, kwargs.get("attention_mask"), kwargs.get("logits_to_keep", 0))
+    step = (kwargs.get("attention_mask"), kwargs.get("logits_to_keep", 0), kwargs.get("position_ids"))
+    if kwargs.get("use_cache") is False:
+        # HF re-feeds the whole sequence each step: run it on pages of its own, stored nowhere.
+        scratch = PagedCache(state.runner)
+        scratch.layout_checked = cache.layout_checked
+        try:
+            logits = scratch.step(input_ids, *step)
+        finally:
+            scratch.free()
+    else:
+        logits = cache.step(input_ids, *step)
     out = CausalLMOutputWithPast(logits=logits)
     out[state.cache_kwarg] = cache
-    return out
+    return out if kwargs.get("return_dict", True) is not False else out.to_tuple()

@@ -13,8 +13,12 @@ step:
 * "all sequences finished" is read every `STOP_CHECK_EVERY` steps; steps run past the
   finishing one are cut off the output, so the result equals HF's.
 
-Anything outside that scope (streamers, ``return_dict_in_generate``, stopping criteria other
-than max length / EOS) runs HF's own `_sample`, still on the paged runtime.
+Anything outside that scope (streamers, ``return_dict_in_generate``, ``use_cache=False``,
+chunked prefill, stopping criteria other than max length / EOS) runs HF's own `_sample`, still
+on the paged runtime. Every call is first checked (`check_call`): what cannot be reproduced is
+refused before the first forward. When sampling stops early, the generator's state is rewound
+to the one after the finishing step (the loop samples up to `STOP_CHECK_EVERY` - 1 steps past
+it), so the next seeded call draws what it would draw after HF's loop.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import logging
 import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
+from ..errors import UnsupportedGenerationError
+from .generate_checks import check_capacity, check_forward_kwargs, check_prompt_layout
 from .paged_cache import PagedCache
 
 logger = logging.getLogger(__name__)
@@ -40,12 +46,58 @@ def _eligible(stopping_criteria: StoppingCriteriaList, generation_config, stream
         return "a streamer"
     if generation_config.return_dict_in_generate:
         return "return_dict_in_generate"
+    if not generation_config.use_cache:
+        return "use_cache=False (every step re-runs the whole sequence)"
+    if generation_config.prefill_chunk_size is not None:
+        return "prefill_chunk_size"
     for crit in stopping_criteria:
         if not isinstance(crit, (MaxLengthCriteria, EosTokenCriteria)):
             return f"stopping criterion {type(crit).__name__}"
     if not any(isinstance(c, MaxLengthCriteria) for c in stopping_criteria):
         return "no max length"
     return None
+
+
+def check_call(cache: PagedCache, input_ids: torch.Tensor, generation_config, model_kwargs: dict) -> None:
+    """Everything attngraph refuses about a prepared generate call, before its first forward:
+    model keywords it would drop, padding layouts it cannot reproduce, a call the pool cannot
+    hold. ``model_kwargs`` are what transformers passes on to the model's forward."""
+    check_forward_kwargs(model_kwargs)
+    if not generation_config.use_cache and generation_config.prefill_chunk_size is not None:
+        raise UnsupportedGenerationError(
+            "prefill_chunk_size needs use_cache=True (transformers refuses chunked prefill without a cache too)"
+        )
+    mask = model_kwargs.get("attention_mask")
+    spec = cache.runner.spec
+    check_prompt_layout(mask, spec is not None and spec.uses_window)
+    cache.layout_checked = True
+    bsz, width = input_ids.shape
+    counts = mask.bool().sum(1).tolist() if mask is not None else [width] * bsz
+    if generation_config.max_length is not None:
+        check_capacity(cache.pool, counts, generation_config.max_length - width)
+
+
+class _RngTrail:
+    """States of the generator ``torch.multinomial`` draws from (the default one of the
+    device), one per step since the last stop check, so the loop can rewind the steps it ran
+    past the finishing one: the generator is left where HF's loop leaves it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.states: list[torch.Tensor] = []
+
+    def record(self) -> None:
+        self.states.append(torch.cuda.get_rng_state(self.device) if self.cuda else torch.get_rng_state())
+
+    def restore(self, index: int) -> None:
+        if self.cuda:
+            torch.cuda.set_rng_state(self.states[index], self.device)
+        else:
+            torch.set_rng_state(self.states[index])
+
+    def clear(self) -> None:
+        self.states.clear()
 
 
 def paged_sample(
@@ -56,11 +108,20 @@ def paged_sample(
     generation_config,
     synced_gpus: bool = False,
     streamer=None,
+    attngraph_streamer=None,
     **model_kwargs,
 ) -> torch.LongTensor:
-    """HF's `_sample` contract (``self`` is the model): returns ``[B, prompt + generated]`` ids."""
+    """HF's `_sample` contract (``self`` is the model): returns ``[B, prompt + generated]`` ids.
+
+    transformers hands a callable ``custom_generate`` no streamer, so the accelerated
+    generate passes it again as ``attngraph_streamer`` (transformers routes keywords that
+    `_sample` does not know to the callable).
+    """
     model = self
+    streamer = streamer if streamer is not None else attngraph_streamer
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    if isinstance(cache, PagedCache):
+        check_call(cache, input_ids, generation_config, model_kwargs)
     why = None if not synced_gpus else "synced_gpus"
     why = why or _eligible(stopping_criteria, generation_config, streamer, cache)
     if why is not None:
@@ -80,11 +141,15 @@ def paged_sample(
 
     unfinished = torch.ones(bsz, dtype=torch.long, device=input_ids.device)
     all_done: list[torch.Tensor] = []  # per step: 0-d bool, every sequence finished after it
-    logits = cache.step(input_ids, model_kwargs.get("attention_mask"), 1)[:, -1]  # prefill: [B, V]
+    rng = _RngTrail(input_ids.device) if do_sample else None
+    checked = 0  # steps before this one whose flags were read
+    prefill = cache.step(input_ids, model_kwargs.get("attention_mask"), 1, model_kwargs.get("position_ids"))
+    logits = prefill[:, -1]  # [B, V]
     for step in range(steps):
         scores = logits_processor(input_ids, logits.to(copy=True, dtype=torch.float32))
         if do_sample:
             next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            rng.record()
         else:
             next_tokens = torch.argmax(scores, dim=-1)
         if has_eos:
@@ -97,7 +162,12 @@ def paged_sample(
             done = torch.stack(all_done)
             if bool(done.any()):  # host sync
                 first = int(done.nonzero()[0, 0])
+                if rng is not None:  # rewind the draws of the steps run past the finishing one
+                    rng.restore(first - checked)
                 return input_ids[:, : prompt_len + first + 1]
+            checked = step + 1
+            if rng is not None:
+                rng.clear()
         if not last:
             logits = cache.decode_step(next_tokens)[:, -1]
     return input_ids

@@ -144,11 +144,20 @@ class ForwardBatch:
         )
 
     @classmethod
-    def decode(cls, kv_pool: "KVPool", req_pool_indices: list[int], prefix_lens: list[int], input_ids: torch.Tensor) -> "ForwardBatch":
+    def decode(
+        cls,
+        kv_pool: "KVPool",
+        req_pool_indices: list[int],
+        prefix_lens: list[int],
+        input_ids: torch.Tensor,
+        positions: list[int] | None = None,
+    ) -> "ForwardBatch":
         """A DECODE batch (one new token per request after ``prefix_lens`` cached ones), built
         with plain host arithmetic and two host-to-device copies: the per-step hot path.
 
         ``input_ids: [B]`` may stay on the device (it is never read on the host).
+        ``positions`` (host ints, default ``prefix_lens``): the tokens' RoPE / learned positions
+        when they differ from the count of cached tokens (user ``position_ids``).
         """
         ps = kv_pool.page_size
         table = kv_pool.req_to_page_cpu
@@ -159,7 +168,7 @@ class ForwardBatch:
         ints = torch.tensor(
             req_pool_indices + seq + [1] * bsz + list(prefix_lens) + list(range(bsz + 1)), dtype=torch.int32
         )
-        longs = torch.tensor(list(prefix_lens) + slots, dtype=torch.int64)  # positions | out_cache_loc
+        longs = torch.tensor(list(prefix_lens if positions is None else positions) + slots, dtype=torch.int64)  # positions | out_cache_loc
         ints_d = ints.to(kv_pool.device, non_blocking=True)
         longs_d = longs.to(kv_pool.device, non_blocking=True)
         b = bsz

@@ -55,6 +55,10 @@ class PagedCache(Cache):
         self.rows: list[int] = []
         self.lengths: list[int] = []
         self.columns = 0
+        #: Position of each request's next token (HF's rule: the last column's position + 1).
+        self.next_positions: list[int] = []
+        #: The caller checked the whole prompt's padding layout (`generate_checks.check_prompt_layout`).
+        self.layout_checked = False
         self._finalizer = weakref.finalize(self, _free_rows, self.pool, self.rows)
 
     # ------------------------------------------------------------------ transformers' Cache API
@@ -78,6 +82,7 @@ class PagedCache(Cache):
         """Return every page of this batch to the pool (idempotent)."""
         _free_rows(self.pool, self.rows)
         self.lengths = []
+        self.next_positions = []
 
     def _allocate(self, batch_size: int) -> None:
         try:
@@ -87,6 +92,7 @@ class PagedCache(Cache):
             _free_rows(self.pool, self.rows)
             raise
         self.lengths = [0] * batch_size
+        self.next_positions = [0] * batch_size
 
     # ------------------------------------------------------------------ one step
     def decode_step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -101,17 +107,27 @@ class PagedCache(Cache):
         check_token_ids(tokens, self.pool.device, "tokens")
         new_lens = [n + 1 for n in self.lengths]
         self.pool.reserve(self.rows, new_lens)
-        batch = ForwardBatch.decode(self.pool, self.rows, self.lengths, tokens.long())
+        batch = ForwardBatch.decode(self.pool, self.rows, self.lengths, tokens.long(), self.next_positions)
         logits = self.runner.forward(batch)[:, None]
         self.lengths = new_lens
+        self.next_positions = [p + 1 for p in self.next_positions]
         self.columns += 1
         return logits
 
-    def step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
-        """Run the new tokens ``input_ids: [B, S]`` (``attention_mask: [B, past + S]``, 0 = pad).
+    def step(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        logits_to_keep: int | torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run the new tokens ``input_ids: [B, S]`` (``attention_mask: [B, past + S]``, 0 = pad;
+        ``position_ids: [B or 1, S]``, the RoPE / learned positions of the new columns, default:
+        count of real tokens before each one, which is what HF derives from the mask).
 
         Returns logits ``[B, S', vocab]``: ``S' = 1`` (each request's last new token) when
-        ``logits_to_keep == 1``, else all ``S`` columns with zeros at pad positions.
+        ``logits_to_keep == 1``, else all ``S`` columns with zeros at pad positions. A row with
+        no real token in this step (a prefill chunk of leading padding) gets zero logits.
         Nothing is written when this raises (too few pages, bad input).
         """
         if input_ids.dim() != 2:
@@ -124,28 +140,61 @@ class PagedCache(Cache):
             raise ValueError("empty prompt: input_ids has no tokens; give at least one token per sequence")
         if self.rows and len(self.rows) != bsz:
             raise ValueError(f"this PagedCache holds {len(self.rows)} sequences, the step has {bsz}")
+        if attention_mask is not None and not self.layout_checked:
+            # Called outside generate's up-front check: the mask so far must be a served layout.
+            from .generate_checks import check_prompt_layout
+
+            check_prompt_layout(attention_mask, self.runner.spec is not None and self.runner.spec.uses_window)
         valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask[:, -seq:].bool()
         counts = valid.sum(1).tolist()
-        if self.columns == 0 and 0 in counts:
-            raise ValueError(f"empty prompt in row {counts.index(0)} of the batch (all of its tokens are padding)")
+        positions = None
+        if position_ids is not None:
+            if position_ids.dim() != 2 or position_ids.shape[0] not in (1, bsz) or position_ids.shape[1] < seq:
+                raise ValueError(f"position_ids must be [batch or 1, seq] for input_ids {tuple(input_ids.shape)}, got {tuple(position_ids.shape)}")
+            pos = position_ids[:, -seq:].expand(bsz, seq)
+            positions = pos[valid].long()
+            next_positions = (pos[:, -1] + 1).tolist()
         if not self.rows:
             self._allocate(bsz)
         new_lens = [n + c for n, c in zip(self.lengths, counts)]
         self.pool.reserve(self.rows, new_lens)  # all or nothing: raises KVCacheFullError before writing
+        # Only rows with new tokens enter the batch (an empty row is no request for the backends).
+        live = [b for b in range(bsz) if counts[b] > 0]
         flat_ids = input_ids[valid].long()  # [T], request-major (int64: one compiled graph)
-        batch = ForwardBatch.build(self.pool, self.rows, list(self.lengths), counts, flat_ids)
-        if (isinstance(logits_to_keep, int) and logits_to_keep == 1) or (seq == 1 and batch.num_tokens == bsz):
+        if live:
+            batch = ForwardBatch.build(
+                self.pool, [self.rows[b] for b in live], [self.lengths[b] for b in live], [counts[b] for b in live],
+                flat_ids, positions,
+            )
+        if (isinstance(logits_to_keep, int) and logits_to_keep == 1) or (seq == 1 and len(live) == bsz):
             # Each request's last new token (a decode step: every row one token): [B, 1, V].
-            logits = self.runner.forward(batch)[:, None]
+            if len(live) == bsz:
+                logits = self.runner.forward(batch)[:, None]
+            else:
+                logits = self._zero_logits(bsz, 1)
+                if live:
+                    part = self.runner.forward(batch)  # [len(live), V]
+                    logits = logits.to(part.dtype)
+                    logits[torch.tensor(live, device=self.pool.device), 0] = part
         else:
-            all_rows = torch.arange(batch.num_tokens, device=flat_ids.device)
-            flat = self.runner.forward(batch, all_rows)  # [T, V]
-            logits = flat.new_zeros((bsz, seq, flat.shape[-1]))
-            logits[valid] = flat
+            logits = self._zero_logits(bsz, seq)
+            if live:
+                all_rows = torch.arange(batch.num_tokens, device=flat_ids.device)
+                flat = self.runner.forward(batch, all_rows)  # [T, V]
+                logits = logits.to(flat.dtype)
+                logits[valid] = flat
             if isinstance(logits_to_keep, int) and logits_to_keep > 0:
                 logits = logits[:, -logits_to_keep:]
             elif isinstance(logits_to_keep, torch.Tensor):
                 logits = logits[:, logits_to_keep]
         self.lengths = new_lens
         self.columns += seq
+        if position_ids is not None:
+            self.next_positions = next_positions
+        else:
+            self.next_positions = list(new_lens)
         return logits
+
+    def _zero_logits(self, bsz: int, seq: int) -> torch.Tensor:
+        vocab = int(self.runner.model.get_output_embeddings().weight.shape[0])
+        return torch.zeros((bsz, seq, vocab), dtype=self.runner.dtype, device=self.pool.device)
