@@ -6,6 +6,7 @@ from .errors import (
     BackendUnavailableError,
     CaptureError,
     ConfigError,
+    InputError,
     KVCacheFullError,
     UnsupportedGenerationError,
     UnsupportedModelError,
@@ -31,6 +32,7 @@ __all__ = [
     "CaptureError",
     "CompileConfig",
     "ConfigError",
+    "InputError",
     "KVCacheFullError",
     "UnsupportedModelError",
 ]

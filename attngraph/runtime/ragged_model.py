@@ -18,6 +18,7 @@ import types
 import torch
 
 from ..compiler.backend import AttnGraphBackend
+from ..compiler.model_checks import check_attn_implementation
 from ..config import CompileConfig
 from ..errors import AttnGraphError, UnsupportedModelError
 from ..passes.site import AttentionSite
@@ -32,6 +33,7 @@ class RaggedModel:
     """Calls ``model`` in ragged form through the attngraph compiler (paged mode)."""
 
     def __init__(self, model: torch.nn.Module, config: CompileConfig) -> None:
+        check_attn_implementation(model)
         self.model = model
         self.config = config
         self.backend = AttnGraphBackend(
