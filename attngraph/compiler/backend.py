@@ -20,7 +20,7 @@ from ..passes import fx_utils as fu
 from ..passes.site import AttentionSite
 from ..runtime.forward_context import ForwardContext, use_forward_context
 from .pipeline import PassPipeline
-from .report import AttentionReport
+from .report import AttentionReport, user_input_names
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +53,9 @@ class AttnGraphBackend:
         self.on_sites = on_sites
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        input_names = user_input_names(gm)  # read before the passes rewrite the graph
         sites = self.pipeline.run(gm, example_inputs)
-        self.report.add_graph(sites)
+        self.report.add_graph(sites, input_names)
         self.sites.extend(sites)
         self.graphs.append(gm)
         if self.on_sites is not None:
