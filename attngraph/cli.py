@@ -89,7 +89,10 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL", help="a local checkpoint folder, or a transformers model type (llama, qwen2, ...)")
     p.add_argument("--tiny", action="store_true", help="tiny sizes: " + ", ".join(f"{k}={v}" for k, v in TINY.items()))
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field (repeatable)")
-    p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"], help="transformers attention (default sdpa)")
+    p.add_argument(
+        "--attn-implementation", default=None, choices=["sdpa", "eager"],
+        help="transformers attention (default: transformers' choice, sdpa where the model has it)",
+    )  # fmt: skip
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs (default 0)")
@@ -119,15 +122,14 @@ def load_model(args: argparse.Namespace):
     fields = {**(TINY if args.tiny else {}), **_overrides(args.set)}
     torch.manual_seed(args.seed)
     tokenizer = None
+    attn = {} if args.attn_implementation is None else {"attn_implementation": args.attn_implementation}
     if os.path.isdir(args.model):
         config = transformers.AutoConfig.from_pretrained(args.model, **fields)
         has_weights = any(Path(args.model).glob("*.safetensors")) or any(Path(args.model).glob("*.bin"))
         if has_weights and not fields:
-            model = transformers.AutoModelForCausalLM.from_pretrained(
-                args.model, dtype=dtype, attn_implementation=args.attn_implementation
-            )
+            model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, **attn)
         else:  # a config alone, or sizes changed: random weights
-            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=args.attn_implementation)
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, **attn)
         try:
             tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
         except (OSError, ValueError, KeyError):
@@ -140,7 +142,7 @@ def load_model(args: argparse.Namespace):
                 f"attngraph: error: {args.model!r} is neither a local folder nor a transformers model type; "
                 "give a checkpoint folder or a model type such as llama, qwen2, mistral, gemma, gpt2"
             ) from None
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=args.attn_implementation)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, **attn)
     return model.to(device).eval(), tokenizer
 
 
@@ -194,7 +196,7 @@ def run_explain(args: argparse.Namespace) -> int:
     _advance(bar, None)
     bar.close()
     print(f"{type(model).__name__} ({args.model}), input_ids [{args.batch}, {args.seq_len}], "
-          f"attn_implementation={args.attn_implementation}")  # fmt: skip
+          f"attn_implementation={model.config._attn_implementation}")  # fmt: skip
     print(report)
     return 0
 
