@@ -1,11 +1,19 @@
 """attngraph: a torch.compile backend and paged-KV runtime for Hugging Face models."""
 
+from importlib import metadata as _metadata
+
+try:  # the version lives in pyproject.toml only; the installed metadata carries it
+    __version__ = _metadata.version("attngraph")
+except _metadata.PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
+
 from .config import CompileConfig
 from .errors import (
     AttnGraphError,
     BackendUnavailableError,
     CaptureError,
     ConfigError,
+    InputError,
     KVCacheFullError,
     UnsupportedGenerationError,
     UnsupportedModelError,
@@ -20,6 +28,7 @@ from .runtime.accelerate import accelerate, restore
 _register()
 
 __all__ = [
+    "__version__",
     "UnsupportedGenerationError",
     "accelerate",
     "restore",
@@ -31,6 +40,7 @@ __all__ = [
     "CaptureError",
     "CompileConfig",
     "ConfigError",
+    "InputError",
     "KVCacheFullError",
     "UnsupportedModelError",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -141,6 +142,30 @@ class CompileConfig:
         if device_type != "cuda":
             return "none"
         return self.cuda_graph
+
+
+def _init_naming_bad_fields(init: Any) -> Any:
+    """Wrap the dataclass ``__init__`` so an unknown field or a surplus positional argument is a
+    `ConfigError` naming the known fields (as ``accelerate(..., foo=1)`` reports it), not
+    Python's bare `TypeError`."""
+    names = tuple(f.name for f in dataclasses.fields(CompileConfig))
+
+    @functools.wraps(init)
+    def __init__(self: CompileConfig, *args: Any, **kwargs: Any) -> None:
+        unknown = sorted(set(kwargs) - set(names))
+        if unknown:
+            raise ConfigError(f"unknown CompileConfig field(s) {unknown}; known fields: {sorted(names)}")
+        if len(args) > len(names):
+            raise ConfigError(f"CompileConfig takes at most {len(names)} positional fields {names}, got {len(args)}")
+        clash = sorted(n for n in names[: len(args)] if n in kwargs)
+        if clash:
+            raise ConfigError(f"CompileConfig field(s) {clash} given both by position and by name")
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+CompileConfig.__init__ = _init_naming_bad_fields(CompileConfig.__init__)  # type: ignore[method-assign]
 
 
 def _check_int(value: Any, name: str, minimum: int) -> None:

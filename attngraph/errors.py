@@ -11,6 +11,13 @@ class ConfigError(AttnGraphError, ValueError):
     """A `CompileConfig` field is unknown, out of range, or conflicts with another."""
 
 
+class InputError(AttnGraphError, ValueError, TypeError):
+    """An argument of a call is malformed: an empty batch, token ids of the wrong dtype or device.
+
+    Also a `ValueError` and a `TypeError`, so code written against those still catches it.
+    """
+
+
 class UnsupportedModelError(AttnGraphError):
     """The model (or one of its attention sites) cannot be served; the message lists why."""
 

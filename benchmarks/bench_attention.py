@@ -1,6 +1,6 @@
 """Attention alone, per backend: paged decode (bandwidth) and prefill (TFLOP/s), on one GPU.
 
-Run from the project root on the GPU machine::
+Run from the project root on a machine with an NVIDIA GPU (set-up: benchmarks/BENCHMARKS.md)::
 
     python benchmarks/bench_attention.py [--quick] [--backends flashinfer,triton,torch_native]
         [--out benchmarks/results/attention_<time>.json]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import sys
 import time
 
 import torch
@@ -85,6 +86,9 @@ def main() -> None:
     p.add_argument("--hf-static", action="store_true", help="also HF generate with a static cache (compiled by transformers)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_generate.py needs a CUDA device (it times bf16 generate on the GPU); "
+                 "on a CPU `attngraph generate llama --tiny --prompt ...` compares tokens/s")  # fmt: skip
     torch.manual_seed(0)
     cfg = llama_1b(args.layers)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# One GPU session, in two calls of under 10 minutes each (run from the project root on the GPU
-# machine after `source .gpu/setup.sh`; results go to $OUT):
+# The GPU tests and benchmarks in two stages of under 10 minutes each on an H200. Run from the
+# project root on a machine with an NVIDIA GPU after the set-up of benchmarks/BENCHMARKS.md
+# (`pip install torch==2.11.0` and `pip install -e ".[flashinfer,triton,bench,test]"`);
+# results go to $OUT (default benchmarks/results):
 #   bash benchmarks/run_gpu.sh tests   # every `gpu` test, soak included (ATTNGRAPH_GPU_SOAK_STEPS)
 #   bash benchmarks/run_gpu.sh bench   # kernel benchmark, then end-to-end generate benchmark
 #   QUICK=1 ...                        # shorter benchmark: quick kernel shapes, batch 1 only

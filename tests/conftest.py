@@ -1,4 +1,3 @@
-import dataclasses
 import os
 
 import pytest
@@ -28,17 +27,3 @@ def _reset_dynamo(request):
     if request.node.get_closest_marker("keep_dynamo_cache") is None:
         torch._dynamo.reset()
     yield
-
-
-@pytest.fixture
-def triton_on_cpu(monkeypatch):
-    """Let the registry hand the Triton backend CPU tensors (run by Triton's interpreter)."""
-    if torch.cuda.is_available():
-        return
-    from attngraph.attn_backends.triton_backend import TritonBackend
-    from attngraph.attn_backends.triton_ops import interpreting
-
-    if not interpreting():
-        pytest.skip("TRITON_INTERPRET=1 was not set before Triton was imported")
-    caps = TritonBackend.capabilities
-    monkeypatch.setattr(TritonBackend, "capabilities", dataclasses.replace(caps, device_types=caps.device_types + ("cpu",)))

@@ -86,6 +86,8 @@ class BackendCapabilities:
     logit_cap: bool = True
     non_causal: bool = True
     dense: bool = True  # serves the stateless (no ForwardContext batch) form
+    #: Appended to a "runs on ..., not <device>" refusal: how to get the missing device support.
+    device_hint: str = ""
     graph_support: dict[str, GraphSupport] = field(
         default_factory=lambda: {"decode": GraphSupport.NEVER, "extend": GraphSupport.NEVER}
     )
@@ -93,7 +95,8 @@ class BackendCapabilities:
     def why_not(self, spec: ModelAttentionSpec) -> str | None:
         """None when ``spec`` can be served, else the reason in words."""
         if spec.device_type not in self.device_types:
-            return f"runs on {self.device_types}, not {spec.device_type}"
+            hint = f"; {self.device_hint}" if self.device_hint else ""
+            return f"runs on {self.device_types}, not {spec.device_type}{hint}"
         if spec.dtype not in self.dtypes:
             return f"supports dtypes {[str(d) for d in self.dtypes]}, not {spec.dtype}"
         if self.head_dims is not None:

@@ -43,6 +43,7 @@ def combine_capabilities(prefill: BackendCapabilities, decode: BackendCapabiliti
     """
     return BackendCapabilities(
         device_types=_meet(prefill.device_types, decode.device_types),
+        device_hint=" ".join(dict.fromkeys(h for h in (prefill.device_hint, decode.device_hint) if h)),
         dtypes=_meet(prefill.dtypes, decode.dtypes),
         head_dims=_meet(prefill.head_dims, decode.head_dims),
         page_sizes=_meet(prefill.page_sizes, decode.page_sizes),

@@ -82,6 +82,39 @@ def resolve_backend_name(name: str, spec: ModelAttentionSpec) -> str:
     return name
 
 
+def available_device_types() -> tuple[str, ...]:
+    """Device types this process can run on: always ``"cpu"``, ``"cuda"`` when a GPU is visible."""
+    return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+
+
+def check_usable_here(name: str) -> None:
+    """Raise `BackendUnavailableError` now if backend ``name`` cannot run on this machine at all.
+
+    Called when a backend is configured (``attngraph.backend(...)``), before any model is
+    traced: its package must import and one of its device types must be present. Whether it
+    serves a particular model (dtype, head dim, window) is checked once the model is traced.
+    ``"auto"`` always passes (torch_native runs anywhere).
+    """
+    if name == "auto":
+        return
+    cls = get_backend_class(name)
+    here = available_device_types()
+    if not set(cls.capabilities.device_types) & set(here):
+        usable = [n for n in _FACTORIES if n != name and _usable_on(n, here)]
+        hint = f"; {cls.capabilities.device_hint}" if cls.capabilities.device_hint else ""
+        raise BackendUnavailableError(
+            f"attention backend {name!r} runs on {cls.capabilities.device_types}, and this machine has only "
+            f"{here}{hint}. Backends that run here: {usable or 'none'} (or 'auto')."
+        )
+
+
+def _usable_on(name: str, device_types: tuple[str, ...]) -> bool:
+    try:
+        return bool(set(get_backend_class(name).capabilities.device_types) & set(device_types))
+    except BackendUnavailableError:
+        return False
+
+
 def create_backend(name: str, spec: ModelAttentionSpec, **options: Any) -> AttentionBackend:
     """Instantiate backend ``name`` (or ``"auto"``) for ``spec``.
 

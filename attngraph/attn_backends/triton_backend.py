@@ -11,11 +11,11 @@
   (`GraphSupport.PIECEWISE`).
 * Dense (stateless) form: `dense_attention_fwd`, the extend kernel over contiguous K/V.
 
-Devices: CUDA. On CPU the kernels run only in Triton's interpreter, i.e. with
-``TRITON_INTERPRET=1`` set before ``attngraph.attn_backends.triton_ops`` is first imported
-(Triton decides when a ``@triton.jit`` function is defined); the capabilities still declare
-``("cuda",)`` so "auto" never picks this backend on CPU, but an explicitly constructed
-backend works on CPU tensors under the interpreter (that is how the CPU tests run it).
+Devices: CUDA; and the CPU in Triton's interpreter when ``TRITON_INTERPRET=1`` was set before
+attngraph was imported (Triton decides when a ``@triton.jit`` function is defined). Then the
+capabilities declare ``("cuda", "cpu")`` and ``accelerate(model, attention_backend="triton")``
+serves CPU tensors (slowly: it is for stepping through the kernels); ``"auto"`` still picks
+torch_native on CPU. Without the variable a CPU model is refused with a message naming it.
 
 Example
 -------
@@ -50,6 +50,14 @@ DEFAULT_MAX_KV_SPLITS = 32
 _PROGRAMS_PER_SM = 4
 
 
+#: How to run the kernels without a GPU (named in every "needs CUDA" refusal).
+INTERPRETER_HINT = (
+    "to run the Triton kernels on the CPU, set TRITON_INTERPRET=1 before importing attngraph "
+    "(Triton's interpreter: slow, for stepping through the kernels); otherwise use "
+    "attention_backend='torch_native'"
+)
+
+
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -74,7 +82,9 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
     capabilities = BackendCapabilities(
-        device_types=("cuda",),
+        # Under the interpreter the kernels take CPU tensors; "auto" never picks it there.
+        device_types=("cuda", "cpu") if interpreting() else ("cuda",),
+        device_hint=INTERPRETER_HINT,
         dtypes=(torch.float16, torch.bfloat16, torch.float32),
         head_dims=SUPPORTED_HEAD_DIMS,
         page_sizes=None,
@@ -92,6 +102,8 @@ class TritonBackend(AttentionBackend):
         super().__init__(spec)
         if max_kv_splits < 1 or min_split_len < 1:
             raise ValueError(f"max_kv_splits and min_split_len must be >= 1, got {max_kv_splits}, {min_split_len}")
+        if interpreting():
+            logger.info("triton attention backend: kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1)")
         self.deterministic = deterministic
         self.max_kv_splits = int(max_kv_splits)
         self.min_split_len = int(min_split_len)
@@ -171,10 +183,7 @@ class TritonBackend(AttentionBackend):
     def _check_device(t: torch.Tensor) -> None:
         if t.device.type != "cuda" and not interpreting():
             raise BackendUnavailableError(
-                f"the triton attention backend runs on CUDA; got a {t.device.type} tensor. On CPU it "
-                "runs only in Triton's interpreter (TRITON_INTERPRET=1 set before attngraph's Triton kernels "
-                "are imported); "
-                "use attention_backend='torch_native' there"
+                f"the triton attention backend runs on CUDA; got a {t.device.type} tensor: {INTERPRETER_HINT}"
             )
 
     # ------------------------------------------------------------------ compute

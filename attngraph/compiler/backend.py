@@ -13,14 +13,15 @@ import torch
 from torch import fx
 
 from ..attn_backends.base import AttentionBackend, ModelAttentionSpec
-from ..attn_backends.registry import create_backend
+from ..attn_backends.registry import check_usable_here, create_backend
 from ..config import CompileConfig
+from ..errors import ConfigError
 from ..passes import fx_utils as fu
 from ..passes.site import AttentionSite
 from ..passes.token_mixing import TokenMixingOp, check_token_mixing
 from ..runtime.forward_context import ForwardContext, use_forward_context
 from .pipeline import PassPipeline
-from .report import AttentionReport
+from .report import AttentionReport, user_input_names
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +64,9 @@ class AttnGraphBackend:
         self.row_index_inputs = tuple(row_index_inputs)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        input_names = user_input_names(gm)  # read before the passes rewrite the graph
         sites = self.pipeline.run(gm, example_inputs)
-        self.report.add_graph(sites, self._token_mixing(gm))
+        self.report.add_graph(sites, input_names, self._token_mixing(gm))
         self.sites.extend(sites)
         self.graphs.append(gm)
         if self.on_sites is not None:
@@ -130,12 +132,31 @@ def _device_type(sites: list[AttentionSite], example_inputs: list[Any]) -> str:
 
 
 def make_backend(**config: Any) -> AttnGraphBackend:
-    """``torch.compile(model, backend=attngraph.backend(attention_backend="torch_native"))``."""
-    return AttnGraphBackend(CompileConfig.from_kwargs(**config))
+    """``torch.compile(model, backend=attngraph.backend(attention_backend="torch_native"))``.
+
+    The config is validated and each named attention backend is checked to run on this machine
+    here, so a wrong choice raises `ConfigError` / `BackendUnavailableError` at this call rather
+    than inside Dynamo (which wraps errors raised while compiling in ``BackendCompilerFailed``;
+    its ``.inner_exception`` is attngraph's error).
+    """
+    cfg = CompileConfig.from_kwargs(**config)
+    for name in dict.fromkeys((cfg.attention_backend, cfg.prefill_attention_backend, cfg.decode_attention_backend)):
+        if name is not None:
+            check_usable_here(name)
+    return AttnGraphBackend(cfg)
 
 
-def _registered_backend(gm: fx.GraphModule, example_inputs: list[Any], **options: Any) -> Callable:
-    return AttnGraphBackend(CompileConfig.from_kwargs(**options))(gm, example_inputs)
+def _registered_backend(
+    gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None, **kwargs: Any
+) -> Callable:
+    """``torch.compile(model, backend="attngraph", options={...})``: torch hands the options
+    dict over as ``options=``; its keys are `CompileConfig` fields."""
+    if "mode" in kwargs:
+        raise ConfigError(
+            f"torch.compile(mode={kwargs['mode']!r}) is not used by the attngraph backend; "
+            "pass CompileConfig fields as options={...} instead"
+        )
+    return AttnGraphBackend(CompileConfig.from_kwargs(**(options or {}), **kwargs))(gm, example_inputs)
 
 
 def register() -> None:

@@ -2,10 +2,76 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from typing import Mapping
+
+from torch import fx
 
 from ..passes.site import AttentionSite
 from ..passes.token_mixing import TokenMixingOp
+
+#: Dynamo's containers on the way from the module to a parameter or buffer (not the user's names).
+_MODULE_CONTAINERS = ("_modules", "_parameters", "_buffers")
+_SOURCE_ROOT = re.compile(r"^[LG]\['([^']+)'\]")
+_SOURCE_STEP = re.compile(r"\['((?:[^'\\]|\\.)*)'\]|\[(-?\d+)\]|\.(\w+)(\(\))?")
+
+
+def user_input_names(gm: fx.GraphModule) -> dict[str, str]:
+    """Placeholder name -> the name the user wrote for that input.
+
+    Dynamo names a graph input after its access path (``l_kwargs_attention_mask_``,
+    ``l_self_modules_encoder_modules_block_modules_0_..._parameters_weight_``); its source
+    (``L['kwargs']['attention_mask']``) gives back the argument of ``forward``
+    (``attention_mask``) or the parameter's qualified name
+    (``encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight``). Inputs whose
+    source cannot be read (sizes, unknown sources) keep Dynamo's name.
+    """
+    names = {}
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        text = getattr(source, "name", None)
+        text = text() if callable(text) else text
+        user = _name_from_source(text) if isinstance(text, str) else None
+        if user and user != node.name:
+            names[node.name] = user
+    return names
+
+
+def _name_from_source(text: str) -> str | None:
+    """``L['kwargs']['attention_mask']`` -> ``attention_mask``; ``L['self']._modules['lm_head']
+    ._parameters['weight']`` -> ``lm_head.weight``; ``L['args'][0]`` -> ``args[0]``; None for a
+    size (``L['x'].size()[0]``) or anything else it cannot read whole."""
+    root = _SOURCE_ROOT.match(text)
+    if root is None:
+        return None
+    steps = list(_SOURCE_STEP.finditer(text, root.end()))
+    if "".join(m.group(0) for m in steps) != text[root.end():]:
+        return None
+    base = root.group(1)
+    # ``self`` is the module itself; a dict of keyword arguments (``**kwargs``) is not a name.
+    out = "" if base == "self" or (steps and steps[0].group(1) is not None) else base
+    for m in steps:
+        key, index, attr, call = m.groups()
+        if call or attr in _MODULE_CONTAINERS:
+            if call:
+                return None
+            continue
+        if index is not None:
+            out += f"[{index}]"
+        else:
+            part = key if key is not None else attr
+            out = f"{out}.{part}" if out else part
+    return out or None
+
+
+def _rename(text: str, names: Mapping[str, str]) -> str:
+    if not names or not text:
+        return text
+    pattern = re.compile(r"\b(" + "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True)) + r")\b")
+    return pattern.sub(lambda m: names[m.group(1)], text)
 
 
 @dataclass(frozen=True)
@@ -20,8 +86,10 @@ class SiteReport:
     graph_index: int
 
     @classmethod
-    def from_site(cls, site: AttentionSite, graph_index: int) -> "SiteReport":
-        return cls(site.name, site.kind, site.lowered, site.reason, site.layer_id, graph_index)
+    def from_site(cls, site: AttentionSite, graph_index: int, input_names: Mapping[str, str] | None = None) -> "SiteReport":
+        """``input_names``: graph input -> the user's name (`user_input_names`), used in ``reason``."""
+        reason = _rename(site.reason, input_names or {})
+        return cls(site.name, site.kind, site.lowered, reason, site.layer_id, graph_index)
 
 
 @dataclass
@@ -44,8 +112,15 @@ class AttentionReport:
     def all_lowered(self) -> bool:
         return bool(self.sites) and all(s.lowered for s in self.sites)
 
-    def add_graph(self, sites: list[AttentionSite], token_mixing: list[TokenMixingOp] = ()) -> None:
-        self.sites.extend(SiteReport.from_site(s, self.num_graphs) for s in sites)
+    def add_graph(
+        self,
+        sites: list[AttentionSite],
+        input_names: Mapping[str, str] | None = None,
+        token_mixing: list[TokenMixingOp] = (),
+    ) -> None:
+        """Record one compiled graph's sites and token-mixing ops; ``input_names`` maps its
+        inputs to the user's names."""
+        self.sites.extend(SiteReport.from_site(s, self.num_graphs, input_names) for s in sites)
         self.token_mixing.extend((self.num_graphs, op) for op in token_mixing)
         self.num_graphs += 1
 

@@ -63,6 +63,8 @@ def _is_impure(node: fx.Node) -> bool:
         schema = getattr(node.target, "_schema", None)
         if schema is not None and schema.is_mutable:
             return True
+        if getattr(node.target, "__module__", "").startswith(("torch._functorch", "torch._C._functorch")):
+            return True  # vmap/grad nesting levels (flex attention's mask): state, not values
     return node.is_impure()
 
 

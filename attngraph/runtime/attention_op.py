@@ -60,6 +60,8 @@ def attention(
         out = q.new_zeros((q.shape[0], q.shape[1], v.shape[2]))
         out[:n] = ctx.backend.forward(q[:n], k[:n], v[:n], layer, ctx.batch)
         return out
+    if q.shape[0] == 0 or batch_size == 0:  # an empty batch: nothing to attend (eager gives [0, ...] too)
+        return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
     backend = ctx.backend if ctx is not None else _reference_backend()
     return backend.forward_dense(q, k, v, layer, batch_size).contiguous()
 

@@ -12,18 +12,23 @@ import weakref
 import torch
 from transformers.cache_utils import Cache
 
-from ..errors import AttnGraphError
+from ..errors import AttnGraphError, InputError
 from .forward_batch import ForwardBatch
 from .kv_pool import KVPool
 
 
 def check_token_ids(t: torch.Tensor, device: torch.device, name: str, integer_only: bool = True) -> None:
-    """Raise before anything is allocated when ``t`` has the wrong dtype or device."""
+    """Raise `InputError` before anything is allocated when ``t`` is empty or has the wrong dtype or device."""
+    if t.numel() == 0:
+        raise InputError(
+            f"empty prompt: {name} has shape {tuple(t.shape)}; give at least one prompt of at least one "
+            "token, as a [batch, seq] tensor with batch >= 1 and seq >= 1"
+        )
     ok_dtype = not (t.dtype.is_floating_point or t.dtype.is_complex) if integer_only else t.dtype != torch.complex64
     if not ok_dtype or (integer_only and t.dtype == torch.bool):
-        raise TypeError(f"{name} must hold integer token ids, got dtype {t.dtype}; pass a torch.long tensor")
+        raise InputError(f"{name} must hold integer token ids, got dtype {t.dtype}; pass a torch.long tensor")
     if t.device.type != device.type or (device.index is not None and t.device.index not in (None, device.index)):
-        raise ValueError(f"{name} is on device {t.device} but the model and its KV pool are on {device}; move it with .to({str(device)!r})")
+        raise InputError(f"{name} is on device {t.device} but the model and its KV pool are on {device}; move it with .to({str(device)!r})")
 
 
 class _PagedLayer:
@@ -131,13 +136,13 @@ class PagedCache(Cache):
         Nothing is written when this raises (too few pages, bad input).
         """
         if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+            raise InputError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         check_token_ids(input_ids, self.pool.device, "input_ids")
         if attention_mask is not None:
             check_token_ids(attention_mask, self.pool.device, "attention_mask", integer_only=False)
         bsz, seq = input_ids.shape
         if seq == 0:
-            raise ValueError("empty prompt: input_ids has no tokens; give at least one token per sequence")
+            raise InputError("empty prompt: input_ids has no tokens; give at least one token per sequence")
         if self.rows and len(self.rows) != bsz:
             raise ValueError(f"this PagedCache holds {len(self.rows)} sequences, the step has {bsz}")
         if attention_mask is not None and not self.layout_checked:

@@ -19,6 +19,7 @@ import torch
 
 from ..compiler.backend import AttnGraphBackend
 from ..compiler.ragged_check import ROW_INDEX_INPUTS, TOKEN_INPUTS
+from ..compiler.model_checks import check_attn_implementation
 from ..config import CompileConfig
 from ..errors import AttnGraphError, UnsupportedGenerationError, UnsupportedModelError
 from ..passes.site import AttentionSite
@@ -41,6 +42,7 @@ class RaggedModel:
     """Calls ``model`` in ragged form through the attngraph compiler (paged mode)."""
 
     def __init__(self, model: torch.nn.Module, config: CompileConfig) -> None:
+        check_attn_implementation(model)
         self.model = model
         self.config = config
         self.backend = AttnGraphBackend(

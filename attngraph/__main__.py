@@ -1,0 +1,5 @@
+"""``python -m attngraph``: the command line (see `attngraph.cli`)."""
+
+from .cli import main
+
+raise SystemExit(main())
