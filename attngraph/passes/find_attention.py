@@ -73,9 +73,7 @@ def find_attention(
     list[AttentionSite], each with ``.lowerable`` and ``.reason``.
     """
     if example_inputs is not None and not _has_meta(gm):
-        from torch.fx.passes.shape_prop import ShapeProp
-
-        ShapeProp(gm).propagate(*example_inputs)
+        _propagate(gm, example_inputs)
     trusted = {n for n in gm.graph.nodes if n.op == "placeholder" and any(t in n.name for t in trusted_positions)}
     sites: list[AttentionSite] = []
     mask_cache: dict[tuple, Any] = {}
@@ -98,6 +96,25 @@ def find_attention(
     _assign_layer_ids(sites)
     logger.debug("find_attention: %d sites, %d lowerable", len(sites), sum(s.lowerable for s in sites))
     return sites
+
+
+def _propagate(gm: fx.GraphModule, example_inputs: list[Any]) -> None:
+    """Record a fake tensor for every node (``meta["val"]``), as Dynamo does: shapes for the
+    matchers and storages for the aliasing analysis. Where fake propagation fails, shapes
+    alone (ShapeProp); aliasing then falls back to the ops' schemas."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        fake = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake)
+    except Exception as exc:  # noqa: BLE001 (any failure: fall back to real shapes)
+        logger.debug("fake propagation failed (%s); propagating shapes only", exc)
+        for n in gm.graph.nodes:
+            n.meta.pop("val", None)
+        ShapeProp(gm).propagate(*example_inputs)
 
 
 def _has_meta(gm: fx.GraphModule) -> bool:
