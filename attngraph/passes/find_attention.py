@@ -11,7 +11,9 @@ Two forms are recognized:
 
 A softmax over keys multiplied with values that does not fit these forms (an ALiBi bias added
 to the scores, Bloom's ``baddbmm`` on ``[B*H, S, D]``) is reported as a refused site with the
-reason, so that the paged runtime fails loudly instead of missing a cross-token op.
+reason, and so is any other softmax over the last dimension of scores that come from a product
+of two activations (GPT-OSS's sink logits concatenated to the scores), so that the paged
+runtime fails loudly instead of missing a cross-token op and `explain` shows every site.
 
 Before/after (this pass only reads the graph)::
 
@@ -21,7 +23,8 @@ Before/after (this pass only reads the graph)::
 
 A site is *lowerable* only when it is provably equivalent to the op: the mask (if any) is a
 function of positions alone and evaluates to a causal / sliding-window / full pattern
-(`mask_analysis`), dropout is off, the GQA mapping is the grouped one, the shapes are the
+(`mask_analysis`: proven for every length), dropout is off, the GQA mapping is proven to be the
+grouped one (`_peel_repeat_kv`), the shapes are the
 ``[B, H, S, D]`` ones, and no in-place write the match does not include changes what the site
 computes with (the scores, or q/k/v between their use and the site's output, where the op
 reads them). Every refusal carries a reason.
