@@ -11,7 +11,9 @@ Two forms are recognized:
 
 A softmax over keys multiplied with values that does not fit these forms (an ALiBi bias added
 to the scores, Bloom's ``baddbmm`` on ``[B*H, S, D]``) is reported as a refused site with the
-reason, so that the paged runtime fails loudly instead of missing a cross-token op.
+reason, and so is any other softmax over the last dimension of scores that come from a product
+of two activations (GPT-OSS's sink logits concatenated to the scores), so that the paged
+runtime fails loudly instead of missing a cross-token op and `explain` shows every site.
 
 Before/after (this pass only reads the graph)::
 
@@ -21,7 +23,8 @@ Before/after (this pass only reads the graph)::
 
 A site is *lowerable* only when it is provably equivalent to the op: the mask (if any) is a
 function of positions alone and evaluates to a causal / sliding-window / full pattern
-(`mask_analysis`), dropout is off, the GQA mapping is the grouped one, the shapes are the
+(`mask_analysis`: proven for every length), dropout is off, the GQA mapping is proven to be the
+grouped one (`_peel_repeat_kv`), the shapes are the
 ``[B, H, S, D]`` ones, and no in-place write the match does not include changes what the site
 computes with (the scores, or q/k/v between their use and the site's output, where the op
 reads them). Every refusal carries a reason.
@@ -73,9 +76,7 @@ def find_attention(
     list[AttentionSite], each with ``.lowerable`` and ``.reason``.
     """
     if example_inputs is not None and not _has_meta(gm):
-        from torch.fx.passes.shape_prop import ShapeProp
-
-        ShapeProp(gm).propagate(*example_inputs)
+        _propagate(gm, example_inputs)
     trusted = {n for n in gm.graph.nodes if n.op == "placeholder" and any(t in n.name for t in trusted_positions)}
     sites: list[AttentionSite] = []
     mask_cache: dict[tuple, Any] = {}
@@ -98,6 +99,25 @@ def find_attention(
     _assign_layer_ids(sites)
     logger.debug("find_attention: %d sites, %d lowerable", len(sites), sum(s.lowerable for s in sites))
     return sites
+
+
+def _propagate(gm: fx.GraphModule, example_inputs: list[Any]) -> None:
+    """Record a fake tensor for every node (``meta["val"]``), as Dynamo does: shapes for the
+    matchers and storages for the aliasing analysis. Where fake propagation fails, shapes
+    alone (ShapeProp); aliasing then falls back to the ops' schemas."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        fake = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake)
+    except Exception as exc:  # noqa: BLE001 (any failure: fall back to real shapes)
+        logger.debug("fake propagation failed (%s); propagating shapes only", exc)
+        for n in gm.graph.nodes:
+            n.meta.pop("val", None)
+        ShapeProp(gm).propagate(*example_inputs)
 
 
 def _has_meta(gm: fx.GraphModule) -> bool:

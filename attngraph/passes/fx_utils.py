@@ -101,23 +101,14 @@ def example_value(node: Any) -> Any:
 #
 # Aliasing is decided by storage: Dynamo records a fake tensor for each node
 # (``meta["example_value"]``), and fake tensors of a view and of its base share one storage, as
-# the real tensors will (for any op, however it is spelled). Only where a node has no such value
-# does the op list `MAY_ALIAS` stand in, erring towards "may alias".
+# the real tensors will (for any op, however it is spelled); `find_attention` propagates fake
+# tensors itself through a graph that has none. Only where a node still has no such value is
+# the op's own declaration consulted (`may_alias_inputs`): the alias annotations of its aten
+# schemas (``numpy_T(Tensor(a) self) -> Tensor(a)``), and for an op with no schema to read,
+# "may alias every tensor input": a view op this code has never heard of cannot hide a write.
 
-#: Ops whose result may share storage with their first argument: views, and conversions that
-#: return their input itself when there is nothing to convert. Consulted only for nodes without
-#: a traced example value.
-MAY_ALIAS = {
-    operator.getitem, torch.reshape, torch.transpose, torch.permute, torch.unsqueeze, torch.squeeze,
-    torch.narrow, torch.select, torch.flatten, torch.unflatten, torch.detach, torch.split, torch.chunk,
-    torch.unbind, torch.t, torch.adjoint, torch.diagonal, torch.swapaxes, torch.swapdims, torch.movedim,
-    torch.moveaxis, torch.as_strided, torch.view_as_real, torch.view_as_complex, torch.tensor_split,
-    "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "expand", "expand_as", "unsqueeze",
-    "squeeze", "narrow", "select", "flatten", "unflatten", "contiguous", "to", "type", "type_as", "float",
-    "bool", "long", "int", "half", "bfloat16", "double", "detach", "t", "T", "mT", "adjoint", "as_strided",
-    "diagonal", "split", "chunk", "unbind", "tensor_split", "movedim", "moveaxis", "swapaxes", "swapdims",
-    "unfold", "align_as", "refine_names", "rename",
-}
+#: Method spellings that never alias and have no aten schema under their own name.
+_FRESH = {"new_zeros", "new_ones", "new_full", "new_empty", "new_tensor", "size", "dim", "numel", "item", "tolist"}
 #: ``getattr(x, name)`` that returns a view of ``x``; ``x.data`` may also appear as
 #: ``torch._C._autograd._get_data_attr(x)``.
 _ALIAS_ATTRS = {"T", "mT", "H", "mH", "data", "real", "imag"}
@@ -141,25 +132,97 @@ def storage_key(node: Any) -> StorageWeakRef | None:
         return None
 
 
-def _alias_base(node: fx.Node) -> fx.Node | None:
-    """The node ``node``'s result may be a view of, judged by its op alone; None if fresh."""
-    if node.op not in ("call_function", "call_method") or not node.args or not isinstance(node.args[0], fx.Node):
-        return None
-    base = node.args[0]
-    if node.target is operator.getitem and isinstance(base.meta.get("example_value", base.meta.get("val")), (tuple, list)):
-        # An element of a tuple: a view only when the tuple holds views (split, chunk, unbind),
-        # not for the fresh results of e.g. ``torch.max(x, dim)``.
-        return base if _alias_base(base) is not None else None
-    if is_op(node, MAY_ALIAS) or is_inplace(node):  # an in-place op returns its first argument
-        return base
+def _alias_bases(node: fx.Node) -> list[fx.Node]:
+    """The input nodes ``node``'s result may share storage with, judged by the op alone."""
+    if node.op not in ("call_function", "call_method") or node.target is operator.setitem:
+        return []  # (``x[i] = v`` returns nothing; its write is `written_by`'s business)
+    if not _may_be_tensor(node):
+        return []  # a size, a number: no storage
+    inputs = [a for a in node.all_input_nodes if _may_be_tensor(a)]
+    if not inputs:
+        return []
+    base = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    if node.target is operator.getitem and base is not None:
+        base_val = base.meta.get("example_value", base.meta.get("val"))
+        if isinstance(base_val, (tuple, list)):
+            # An element of a tuple: a view only when the tuple holds views (split, chunk, unbind),
+            # not for the fresh results of e.g. ``torch.max(x, dim)``.
+            return [base] if _alias_bases(base) else []
+        return [base]  # basic indexing is a view; advanced indexing copies (may alias: erring)
+    if is_inplace(node) and base is not None:  # an in-place op returns its first argument
+        return [base]
     if node.target is getattr:
-        return base if len(node.args) > 1 and node.args[1] in _ALIAS_ATTRS else None
+        return [base] if len(node.args) > 1 and node.args[1] in _ALIAS_ATTRS else []
     if getattr(node.target, "__name__", "") in _ALIAS_FUNCTION_NAMES:
-        return base
-    schema = getattr(node.target, "_schema", None)  # aten ops say so themselves: Tensor(a) / (a!)
-    if schema is not None and any(r.alias_info is not None for r in schema.returns):
-        return base
-    return None
+        return [base] if base is not None else inputs
+    aliased = may_alias_inputs(node)
+    return inputs if aliased is None else [a for a in aliased if a in inputs]
+
+
+def _may_be_tensor(n: fx.Node) -> bool:
+    """Could ``n`` hold a tensor (or tensors)? Unknown counts as yes."""
+    val = n.meta.get("example_value", n.meta.get("val"))
+    return val is None or isinstance(val, (torch.Tensor, tuple, list))
+
+
+#: ``operator`` functions (``a + b``) and the aten ops they call on tensors.
+_OPERATOR_ATEN = {
+    "add": "add", "sub": "sub", "mul": "mul", "truediv": "div", "floordiv": "floor_divide", "mod": "remainder",
+    "pow": "pow", "matmul": "matmul", "neg": "neg", "pos": "positive", "abs": "abs", "invert": "bitwise_not",
+    "and_": "bitwise_and", "or_": "bitwise_or", "xor": "bitwise_xor", "lshift": "bitwise_left_shift",
+    "rshift": "bitwise_right_shift", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge", "eq": "eq", "ne": "ne",
+}
+#: Modules whose functions are bindings of aten ops of the same name.
+_ATEN_MODULES = ("torch", "torch.functional", "torch.nn.functional", "torch._C._nn", "torch._C._VariableFunctions")
+
+
+def _schemas(node: fx.Node) -> list | None:
+    """The aten schemas ``node`` may dispatch to, or None when they cannot be found."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return [target._schema]
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        packet = target
+    else:
+        if isinstance(target, str):  # a Tensor method: ``self`` is args[0], as in the schema
+            name = target
+        elif getattr(target, "__module__", None) in ("_operator", "operator"):
+            name = _OPERATOR_ATEN.get(target.__name__)
+        elif getattr(target, "__module__", None) in _ATEN_MODULES or type(target) is type(torch.add):
+            name = getattr(target, "__name__", None)
+        else:
+            return None  # a Python function: its schema, if any, is not ours to guess
+        packet = getattr(torch.ops.aten, name, None) if name else None
+        if not isinstance(packet, torch._ops.OpOverloadPacket):
+            return None
+    schemas = [getattr(packet, o)._schema for o in packet.overloads()]
+    return schemas or None
+
+
+def may_alias_inputs(node: fx.Node) -> list[fx.Node] | None:
+    """The inputs a call's result may alias by its aten schemas' alias annotations (``[]``: a
+    fresh tensor), over every overload it may dispatch to; None when it has no schema to read
+    (then any input may be aliased)."""
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    if node.op == "call_method" and name in _FRESH:
+        return []
+    schemas = _schemas(node)
+    if schemas is None:
+        return None
+    out: list[fx.Node] = []
+    for schema in schemas:
+        sets: set = set()
+        for r in schema.returns:
+            if r.alias_info is not None:
+                sets |= set(r.alias_info.before_set) | set(r.alias_info.after_set)
+        if not sets:
+            continue
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is None or not (set(a.alias_info.before_set) | set(a.alias_info.after_set)) & sets:
+                continue
+            value = node.args[i] if not a.kwarg_only and i < len(node.args) else node.kwargs.get(a.name)
+            out += [n for n in _tensor_nodes(value) if n not in out]
+    return out
 
 
 def _tensor_nodes(x: Any) -> list[fx.Node]:
@@ -213,10 +276,12 @@ class GraphIndex:
             if written:
                 self._writes.append((n, written))
         for n in graph.nodes:
-            base = _alias_base(n)
-            if base is not None and (self._key[n] is None or self._key.get(base) is None):
-                self._edges.setdefault(n, []).append(base)
-                self._edges.setdefault(base, []).append(n)
+            if self._key[n] is not None and all(self._key[a] is not None for a in n.all_input_nodes if _may_be_tensor(a)):
+                continue  # decided by storage
+            for base in _alias_bases(n):
+                if self._key[n] is None or self._key[base] is None:
+                    self._edges.setdefault(n, []).append(base)
+                    self._edges.setdefault(base, []).append(n)
 
     def aliases(self, nodes: Iterable[Any]) -> set[fx.Node]:
         """See the module function `aliases`."""
@@ -292,9 +357,9 @@ def aliases(nodes: Iterable[Any]) -> set[fx.Node]:
     """``nodes`` and every node of their graph whose tensor may share storage with one of them.
 
     Two nodes with traced example values alias exactly when their storages are the same (this
-    finds views however they are spelled, and bases as well as views). An edge between a view op
-    and its input (`MAY_ALIAS`) is followed, in either direction, only where one of the two has
-    no example value to compare.
+    finds views however they are spelled, and bases as well as views). An edge between an op
+    and an input it may alias (`may_alias_inputs`; every input for an op without a schema) is
+    followed, in either direction, only where one of the two has no example value to compare.
     """
     start = [n for n in nodes if isinstance(n, fx.Node)]
     return graph_index(start[0].graph).aliases(start) if start else set()

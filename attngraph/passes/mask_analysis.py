@@ -454,6 +454,17 @@ def constant_value(gm: fx.GraphModule, node: Any) -> float:
         raise NotProvable(f"{node.name} depends on input values")
     if unseen_mutation(node) is not None:
         raise NotProvable(f"{node.name} is modified in place")
+    _, inputs = extract_subgraph(gm, node)
+    if _free_symbols(inputs):
+        # Sizes reach the value: probes cannot show that it is the same at every length, its
+        # formula can (a closed term has no symbol left).
+        try:
+            value = symbolic_mask.ElementInterpreter().run(node)
+        except NotProvable as exc:
+            raise NotProvable(f"{node.name} may depend on the sequence length ({exc})") from None
+        expr = symbolic_mask.as_number(value)
+        if value.ndim or not getattr(expr, "is_number", False):
+            raise NotProvable(f"{node.name} depends on the sequence length")
     values = {float(v) for _, v in evaluate(gm, node)}
     if len(values) != 1:
         raise NotProvable(f"{node.name} depends on the sequence length")

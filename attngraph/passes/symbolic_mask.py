@@ -120,10 +120,6 @@ def to_plain(e: sympy.Basic) -> sympy.Basic:
     return walk(e)
 
 
-def size_symbol(name: str) -> sympy.Symbol:
-    return sympy.Symbol(name, integer=True)
-
-
 def _leaves(expr) -> list:
     """The values a float expression can take (the pieces of a Piecewise, else itself)."""
     if isinstance(expr, sympy.Piecewise):
@@ -555,10 +551,6 @@ def _reshape(interp, n, x, *args, **kwargs):
     return Sym(_rename(x.expr, mapping), x.kind, shape, x.dtype)
 
 
-def _unsqueeze(interp, n, x, *args, **kwargs):
-    return _reshape(interp, n, x)
-
-
 def _transpose(interp, n, x, d0, d1):
     dims = list(range(x.ndim))
     a, b = d0.expr % x.ndim, d1.expr % x.ndim
@@ -724,23 +716,6 @@ def _broadcast_one(t: Sym, j: int, adv_ndim: int, adv_shape: tuple) -> bool:
 def _check_nonneg(n, e):
     if not (e.is_nonnegative or (e.free_symbols <= set(I) and sympy.simplify(e).is_nonnegative)):
         raise NotProvable(f"{n.name}: an index tensor that may be negative")
-
-
-def _new_scalar(value):
-    def handler(interp, n, *args, **kwargs):
-        dtype = interp.dtype(n)
-        kind = _kind(dtype)
-        e = {"bool": sympy.true if value else sympy.false}.get(kind, sympy.Integer(value))
-        return _out(interp, n, e, kind)
-
-    return handler
-
-
-def _type_method(dtype):
-    def handler(interp, n, x, *args, **kwargs):
-        return _identity(interp, n, x)
-
-    return handler
 
 
 def _scalar_tensor(interp, n, value, *args, **kwargs):

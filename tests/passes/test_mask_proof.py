@@ -205,3 +205,25 @@ def test_linear_proof_refutes_only_what_is_refutable():
         linear_proof.unsatisfiable(x * y <= 3)
     with pytest.raises(linear_proof.Unsupported):
         linear_proof.unsatisfiable(sympy.floor(x / y) <= 3)
+
+
+class LengthScale(P.Proj):
+    """Eager causal attention divided by ``1 + S // 32``: a scale that changes with the length."""
+
+    def __init__(self):
+        super().__init__(heads_kv=P.HQ)
+
+    def forward(self, x):
+        q, k, v = P.qkv(self.proj(x), P.HQ)
+        s = x.shape[1]
+        i = torch.arange(s, device=x.device)
+        mask = torch.zeros(s, s, device=x.device).masked_fill(i[None, :] > i[:, None], float("-inf"))
+        w = torch.matmul(q, k.transpose(2, 3)) / torch.full([], 1.0 + s // 32, dtype=x.dtype) + mask
+        return self.finish(torch.matmul(w.softmax(-1), v))
+
+
+def test_scale_that_changes_with_the_length_is_not_a_constant():
+    backend = compile_all_lengths(LengthScale())
+    static, symbolic = backend.sites
+    assert static.lowered and static.scale.constant == 1.0, static.reason
+    assert not symbolic.lowered, symbolic.reason

@@ -11,7 +11,8 @@ each one has a test of its own:
    output, where the lowered op reads them) make the site refused.
 2. A positional mask modified in place (directly, through any view, or through the positions it
    is built from) is not provable: the site is refused, with the reason. The writes are found by
-   storage, and by the view ops' names where a graph has no example values.
+   storage (fake tensors propagated where a graph has no example values; see also
+   test_aliasing.py for graphs where only the ops' schemas are left).
 3. ALiBi (a per-head bias ``slopes * distance`` added to the scores, or Bloom's
    ``baddbmm(alibi, q, k^T)`` on ``[B*H, S, D]``): refused with the reason; the paged runtime
    (`attngraph.accelerate`) raises `UnsupportedModelError` naming it.
@@ -489,8 +490,8 @@ MASK_WRITES_BY_VIEW = [
 
 @pytest.mark.parametrize("form", MASK_WRITES_BY_VIEW, ids=[str(f) for f in MASK_WRITES_BY_VIEW])
 def test_mask_writes_found_without_example_values(form):
-    """Without Dynamo's fake values the view ops' names stand in for storage; the plain mask
-    (``None``) is still lowered."""
+    """Without Dynamo's fake values `find_attention` propagates its own and decides by storage;
+    the plain mask (``None``) is still lowered."""
     gm, inputs = captured_graph(MutatedMask(form))
     (site,) = find_attention(without_example_values(gm), example_inputs=inputs)
     if form is None:
