@@ -104,17 +104,21 @@ def test_numpy_t_write_through_compile_is_refused():
     E.assert_refused(b, E.MUTATED_MASK)
 
 
+def _no_fake_propagation(monkeypatch):
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("no fake propagation")
+
+    monkeypatch.setattr(FakeTensorProp, "propagate_dont_convert_inputs", fail)
+
+
 @pytest.fixture(params=["fake values", "shapes only"])
 def propagation(request, monkeypatch):
     """How `find_attention` fills a graph without Dynamo's values: fake tensors (storages), or,
     when fake propagation fails, shapes only (the ops' schemas decide aliasing)."""
     if request.param == "shapes only":
-        from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-        def fail(*args, **kwargs):
-            raise RuntimeError("no fake propagation")
-
-        monkeypatch.setattr(FakeTensorProp, "propagate_dont_convert_inputs", fail)
+        _no_fake_propagation(monkeypatch)
     return request.param
 
 
@@ -131,9 +135,9 @@ def test_numpy_t_write_without_example_values(write, propagation):
 
 
 @pytest.mark.parametrize("form", E.MASK_WRITES_BY_VIEW, ids=[str(f) for f in E.MASK_WRITES_BY_VIEW])
-def test_mask_writes_found_with_shapes_only(form, propagation):
-    if propagation == "fake values":
-        pytest.skip("covered by test_pass_edge_cases")
+def test_mask_writes_found_with_shapes_only(form, monkeypatch):
+    """test_pass_edge_cases' view writes, when only shapes can be propagated."""
+    _no_fake_propagation(monkeypatch)
     gm, inputs = E.captured_graph(E.MutatedMask(form))
     (site,) = find_attention(E.without_example_values(gm), example_inputs=inputs)
     if form is None:
