@@ -24,6 +24,12 @@ CUDA graphs on (capture sizes 1, 2, 3, 4, 8: batches of 5..7 replay a padded gra
 head dim of 64 so that FlashInfer's prebuilt kernels serve it: Triton in float32 (tight
 tolerance) and FlashInfer in bfloat16 (against an fp32 copy of the same weights, within bf16
 tolerance). ``ATTNGRAPH_GPU_SOAK_STEPS`` steps per case (default 2000).
+
+With a trained copy model (``tests/copy_task.py``) the prompts are copy prompts (a span of
+distinct tokens, then its beginning again) and decoding continues the copy, so from the
+second period on the model's choice is decisive: there every checked step must pick exactly
+the reference's argmax, which must be the copied token (no tolerance decides it), on the CPU
+in fp32 and on the GPU in bf16 through the decode CUDA graphs.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from attngraph.attn_backends.registry import get_backend_class
 from attngraph.runtime.forward_batch import ForwardBatch, ForwardMode
 from attngraph.runtime.model_runner import ModelRunner
 
+from .. import copy_task
 from ..hf_models import build_model, gpu_model
 
 SOAK_STEPS = int(os.environ.get("ATTNGRAPH_SOAK_STEPS", "1200"))
@@ -49,6 +56,7 @@ MAX_PROMPT = 40
 MAX_DECODE = 24
 MAX_REQUESTS = 8  # rows of the request table (arrivals now and then try for one more)
 GPU_SOAK_STEPS = int(os.environ.get("ATTNGRAPH_GPU_SOAK_STEPS", "2000"))
+COPY_MAX_SPAN = 40  # copy prompts: up to 40 + 16 tokens, then up to MAX_DECODE copied ones
 ATOL = 1e-4
 
 
@@ -74,13 +82,14 @@ class Request:
     tokens: list[int]  # prompt + decoded tokens known so far
     prompt_len: int
     target_len: int  # leaves when it holds this many tokens
+    span: int | None = None  # period of a copy prompt: from position ``span`` on, the next token is known
     cached: int = 0  # tokens whose K/V are in the pool
     # (step, position, logits of the token at ``position`` as the runner computed them)
     seen: list[tuple[int, int, torch.Tensor]] = dataclasses.field(default_factory=list)
 
 
 class Soak:
-    def __init__(self, model, runner: ModelRunner, seed: int, reference=None, atol: float = ATOL) -> None:
+    def __init__(self, model, runner: ModelRunner, seed: int, reference=None, atol: float = ATOL, copy: bool = False) -> None:
         self.model, self.runner, self.pool = model, runner, runner.pool
         self.reference = reference if reference is not None else model  # float32, same weights
         self.atol = atol
@@ -88,9 +97,10 @@ class Soak:
         self.rng = random.Random(seed)
         self.seed = seed
         self.vocab = model.config.vocab_size
+        self.copy = copy  # copy prompts, decoding continues the copy, decisive steps checked exactly
         self.active: dict[int, Request] = {}
         self.next_rid = 0
-        self.stats = dict(steps=0, idle=0, decode=0, extend=0, mixed=0, checked=0, pool_full=0, rows_full=0, left_early=0)
+        self.stats = dict(steps=0, idle=0, decode=0, extend=0, mixed=0, checked=0, exact=0, pool_full=0, rows_full=0, left_early=0)
 
     # ------------------------------------------------------------------ reference
     def hf_logits(self, tokens: list[int]) -> torch.Tensor:
@@ -116,16 +126,32 @@ class Soak:
             f"{where}: max err {err.max().item():.4g}, mean err {err.mean().item():.4g}, logit scale {scale:.4g}"
         )
 
+    def check_exact(self, req: Request, pos: int, got: torch.Tensor, want: torch.Tensor, where: str) -> None:
+        """At a decisive position of a copy prompt: the runner's argmax is the reference's, and
+        both are the copied token."""
+        if req.span is None or pos < req.span:
+            return
+        copied = req.tokens[pos + 1 - req.span]
+        ours, ref = int(got.argmax()), int(want.argmax())
+        assert ref == copied, f"{where}: the reference picks {ref}, not the copy {copied}: the checkpoint is not decisive"
+        assert ours == ref, (
+            f"{where}: greedy choice {ours} (logit {got[ours].item():.3f}), reference {ref} (ours {got[ref].item():.3f})"
+        )
+        self.stats["exact"] += 1
+
     def check_now(self, req: Request, step: int, got: torch.Tensor) -> None:
         want = self.hf_logits(req.tokens[: req.cached])[-1]
         self.close(got, want, self.where(req, step))
+        self.check_exact(req, req.cached - 1, got, want, self.where(req, step))
 
     def check_all(self, req: Request) -> None:
         if not req.seen:
             return
         ref = self.hf_logits(req.tokens[: req.cached])
         for step, pos, got in req.seen:
-            self.close(got, ref[pos], f"{self.where(req, step)} position {pos}")
+            where = f"{self.where(req, step)} position {pos}"
+            self.close(got, ref[pos], where)
+            self.check_exact(req, pos, got, ref[pos], where)
         self.stats["checked"] += len(req.seen)
 
     # ------------------------------------------------------------------ lifecycle
@@ -138,10 +164,17 @@ class Soak:
             assert self.pool.num_active_requests == rows_before
             self.stats["rows_full"] += 1
             return
-        prompt_len = self.rng.randint(1, MAX_PROMPT)
-        prompt = [self.rng.randrange(self.vocab) for _ in range(prompt_len)]
+        span = None
+        if self.copy:  # a span of distinct tokens, then 1..16 of its first tokens again
+            span = self.rng.randint(4, COPY_MAX_SPAN)
+            prompt = self.rng.sample(range(copy_task.FIRST, self.vocab), span)
+            prompt += prompt[: self.rng.randint(1, 16)]
+            prompt_len = len(prompt)
+        else:
+            prompt_len = self.rng.randint(1, MAX_PROMPT)
+            prompt = [self.rng.randrange(self.vocab) for _ in range(prompt_len)]
         target = prompt_len + self.rng.randint(0, MAX_DECODE)
-        self.active[self.next_rid] = Request(self.next_rid, row, prompt, prompt_len, target)
+        self.active[self.next_rid] = Request(self.next_rid, row, prompt, prompt_len, target, span)
         self.next_rid += 1
 
     def leave(self, req: Request) -> None:
@@ -192,8 +225,8 @@ class Soak:
         is_decode = []
         for req, e in zip(chosen, extend_lens):
             decoding = req.cached >= req.prompt_len
-            if decoding:
-                req.tokens.append(rng.randrange(self.vocab))
+            if decoding:  # the copy continues; other prompts go on at random
+                req.tokens.append(req.tokens[-req.span] if req.span else rng.randrange(self.vocab))
             input_ids += req.tokens[req.cached : req.cached + e]
             is_decode.append(decoding)
         mode = None
@@ -234,9 +267,19 @@ def cpu_triton() -> bool:
 
 
 def soak(arch: str, backend: str, page_size: int, steps: int, device: str = "cpu", dtype=torch.float32) -> dict:
+    """``arch``: a tiny random-weight architecture of ``tests/hf_models.py``, or a trained copy
+    model of ``tests/copy_task.py`` (then decisive steps are checked exactly)."""
     model_seed = random.SystemRandom().randrange(1000)
     extra = {}
-    if device == "cpu":
+    copy = arch in copy_task.MODELS
+    if copy:
+        model = copy_task.load(arch, dtype, device)
+        reference = copy_task.load(arch, torch.float32, device)
+        reference.load_state_dict(model.state_dict())  # the reference holds the rounded weights
+        atol = ATOL if device == "cpu" else (2e-3 if dtype == torch.float32 else None)
+        if device == "cuda":
+            extra = dict(cuda_graph="full", cuda_graph_capture_sizes=(1, 2, 3, 4, 8))
+    elif device == "cpu":
         model = reference = build_model(arch, "sdpa", seed=model_seed)
         atol = ATOL
     else:
@@ -256,7 +299,7 @@ def soak(arch: str, backend: str, page_size: int, steps: int, device: str = "cpu
     if device == "cuda":
         assert runner.graphs is not None, "the GPU soak must run the decode CUDA graphs"
     seed = _seed()
-    stats = Soak(model, runner, seed, reference=reference, atol=atol).run(steps)
+    stats = Soak(model, runner, seed, reference=reference, atol=atol, copy=copy).run(steps)
     print(f"soak {arch} {backend} {device} {dtype} page_size={page_size} model_seed={model_seed} seed={seed}: {stats}")
     pool = runner.pool
     assert pool.num_used_pages == 0, f"seed={seed}: {pool.num_used_pages} pages still in use"
@@ -268,6 +311,8 @@ def soak(arch: str, backend: str, page_size: int, steps: int, device: str = "cpu
     if steps >= 500:
         assert stats["decode"] and stats["extend"] and stats["mixed"] and stats["checked"] > steps
         assert stats["pool_full"] and stats["rows_full"] and stats["left_early"] and stats["idle"]
+    if copy:  # most decode steps and a good part of each prompt are decisive
+        assert stats["exact"] >= stats["checked"] // 4, stats
     return stats
 
 
@@ -276,6 +321,13 @@ def soak(arch: str, backend: str, page_size: int, steps: int, device: str = "cpu
 def test_soak_torch_native(arch, page_size):
     soak(arch, "torch_native", page_size, SOAK_STEPS)
 
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_soak_copy_model_exact(page_size):
+    """The trained sliding-window model (window 40, one KV head): decisive steps exactly."""
+    stats = soak("mistral_window", "torch_native", page_size, SOAK_STEPS // 2)
+    assert stats["exact"] > 0
 
 
 @pytest.mark.skipif(not cpu_triton(), reason="Triton on the CPU needs TRITON_INTERPRET=1 before import (tests/conftest.py)")
@@ -296,3 +348,17 @@ def test_soak_gpu(backend, dtype, page_size):
         pytest.importorskip("flashinfer")
     stats = soak("mistral", backend, page_size, GPU_SOAK_STEPS, device="cuda", dtype=dtype)
     assert stats["checked"] >= stats["steps"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "arch, backend, page_size",
+    [("mistral_window", "triton", 1), ("mistral_window", "flashinfer", 16), ("llama_gqa", "flashinfer", 1)],
+)
+def test_soak_gpu_copy_model_exact(arch, backend, page_size):
+    """A trained copy model in bf16 on the GPU, decode through CUDA graphs: every decisive step
+    picks exactly the fp32 reference's token (the copy)."""
+    if backend == "flashinfer":
+        pytest.importorskip("flashinfer")
+    stats = soak(arch, backend, page_size, GPU_SOAK_STEPS, device="cuda", dtype=torch.bfloat16)
+    assert stats["checked"] >= stats["steps"] and stats["exact"] > 0

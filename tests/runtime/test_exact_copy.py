@@ -1,0 +1,73 @@
+"""Exact checks on the trained copy models (``tests/copy_task.py``), fp32 on the CPU.
+
+The random-weight tests compare logits within a tolerance; here the model's greedy choice is
+decisive at every step, so the accelerated model must produce HF's tokens exactly, and those
+tokens are the copied span (an answer known without running any model). The span sits at one
+place in the context only, so a wrong page, length, position or window loses it.
+
+* `accelerate` (torch_native, 1- and 16-token pages): greedy ``generate`` of a single prompt
+  and of a left-padded batch of 3 different lengths, token-identical to HF's ``generate``.
+
+Stateless compile on the same models: ``tests/compiler/test_exact_copy.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attngraph
+from attngraph.runtime.accelerate import state_of
+
+from ..copy_task import GREEDY, MODELS, expected, left_padded, load, prompts
+
+NEW = 64  # generated tokens per prompt on the CPU (the GPU tests generate 128)
+
+pytestmark = pytest.mark.keep_dynamo_cache
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def references():
+    """HF's own greedy ``generate`` per (model, batch size), computed once."""
+    cache: dict = {}
+
+    def get(name: str, count: int):
+        if (name, count) not in cache:
+            batch = prompts(name, count, seed=count)
+            ids, mask = left_padded(batch)
+            with torch.no_grad():
+                out = load(name).generate(ids, attention_mask=mask, max_new_tokens=NEW, **GREEDY)
+            # The checkpoint copies: otherwise its choices are not decisive and the exact
+            # comparisons below mean less than they claim.
+            assert torch.equal(out, expected(batch, NEW)), f"{name}: HF's greedy output is not the copy; retrain the checkpoint"
+            cache[name, count] = (ids, mask, out)
+        return cache[name, count]
+
+    return get
+
+
+@pytest.fixture(scope="module", params=[(n, p) for n in MODELS for p in (1, 16)], ids=lambda x: f"{x[0]}-page{x[1]}")
+def accelerated(request):
+    name, page_size = request.param
+    model = attngraph.accelerate(load(name), attention_backend="torch_native", page_size=page_size, kv_cache_tokens=2048)
+    yield name, model
+    attngraph.restore(model)
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_accelerated_generate_is_token_identical(accelerated, references, count):
+    name, model = accelerated
+    ids, mask, want = references(name, count)
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, **GREEDY)
+    diff = (got != want).nonzero().tolist()
+    assert not diff, f"{name}: {len(diff)} tokens differ from HF's, first at [row, position] {diff[0]}"
+    pool = state_of(model).runner.pool
+    assert pool.num_used_pages == 0 and pool.num_active_requests == 0
