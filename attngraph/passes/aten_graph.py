@@ -14,6 +14,7 @@ Nothing runs on real data: the inputs are the placeholders' fake values.
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Any
 
 import torch
@@ -39,6 +40,15 @@ class _Recording(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         self.current = n
         return super().run_node(n)
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        spelled = _SIZE_SAFE.get(target)
+        return spelled(*args, **kwargs) if spelled is not None else super().call_function(target, args, kwargs)
+
+    def call_method(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        if target == "matmul":
+            return _matmul(*args, **kwargs)
+        return super().call_method(target, args, kwargs)
 
 
 def to_aten(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[fx.Node]]:
@@ -89,5 +99,42 @@ def _pad_with_symbolic_widths(x: torch.Tensor, pad: list, value: float = 0.0) ->
 
     return constant_pad_nd(x, pad, value)
 
+
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` spelled with views, ``mm`` and ``bmm``.
+
+    Some torch releases (2.11) run matmul's and linear's C++ composite kernels on concrete
+    ``sizes()``: under a fake mode with symbolic sizes that reads every size as an int and
+    guards it, which specializes the token count in Dynamo's shape environment (the compile
+    then fails with a constraint violation). These spellings keep every size symbolic; they
+    are the views and products the composite kernels dispatch to anyway.
+    """
+    if a.dim() == 1 and b.dim() == 1:
+        return (a * b).sum()
+    if a.dim() == 1:
+        return _matmul(a.unsqueeze(0), b).squeeze(-2)
+    if b.dim() == 1:
+        return _matmul(a, b.unsqueeze(-1)).squeeze(-1)
+    if b.dim() == 2:  # [..., n, k] @ [k, m]: one mm over the flattened rows
+        lead = a.shape[:-1]
+        return torch.mm(a.reshape(-1, a.shape[-1]), b).reshape(*lead, b.shape[-1])
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a3 = a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
+    b3 = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
+    return torch.bmm(a3, b3).reshape(*batch, a.shape[-2], b.shape[-1])
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    out = _matmul(x, weight.t())
+    return out if bias is None else out + bias
+
+
+#: Dynamo-graph targets re-spelled before dispatch (see `_matmul`).
+_SIZE_SAFE = {
+    operator.matmul: _matmul,
+    torch.matmul: _matmul,
+    torch.Tensor.matmul: _matmul,
+    torch._C._nn.linear: _linear,
+}
 
 _DECOMPOSITIONS = {torch.ops.aten.constant_pad_nd.default: _pad_with_symbolic_widths}
