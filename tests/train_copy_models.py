@@ -9,7 +9,13 @@ weights. Each model is trained for a fixed number of steps, then saved with
 ``save_pretrained`` (config.json + model.safetensors) and checked: the greedy continuation of
 the test prompts is the copied span, and the smallest top-1 minus top-2 logit margin is printed.
 
-MEASURED
+Measured (torch 2.13 CPU, one thread on a shared 2-core machine, 1200 steps): about 30 min per
+model with two models training side by side (~1.5 s per step; under 10 min on an idle core).
+Checkpoints: 659 kB each (fp32). Smallest top-1 minus top-2 logit margin over the 128 greedy
+steps of the test prompts (batches of 1, 3, 16, ``prompts(name, count, seed=count)``), median
+about 10: llama_gqa 5.11 / 2.06 / 2.22, mistral_window 8.15 / 8.13 / 3.35; every continuation is
+the copy. (Other prompt seeds can hit a position the model gets wrong; the tests check that
+HF's own output is the copy, so such a prompt fails loudly rather than weakening the check.)
 """
 
 from __future__ import annotations
@@ -57,8 +63,8 @@ def check(name: str) -> float:
     """Greedy continuations of the test prompts are the copies; returns the smallest margin."""
     model = load(name)
     worst = math.inf
-    for count, seed in ((1, 0), (3, 1), (16, 2)):
-        batch = prompts(name, count, seed)
+    for count in (1, 3, 16):
+        batch = prompts(name, count, seed=count)  # the prompts the tests use
         m = margins(model, batch)
         ids, mask = left_padded(batch)
         with torch.no_grad():

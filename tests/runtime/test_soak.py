@@ -27,8 +27,9 @@ tolerance). ``ATTNGRAPH_GPU_SOAK_STEPS`` steps per case (default 2000).
 
 With a trained copy model (``tests/copy_task.py``) the prompts are copy prompts (a span of
 distinct tokens, then its beginning again) and decoding continues the copy, so from the
-second period on the model's choice is decisive: there every checked step must pick exactly
-the reference's argmax, which must be the copied token (no tolerance decides it), on the CPU
+second period on the model's choice is decisive: where the fp32 reference picks the copied
+token by a margin of 2 logits or more (nearly every such step), the step must pick exactly
+the reference's argmax (no tolerance decides it), on the CPU
 in fp32 and on the GPU in bf16 through the decode CUDA graphs.
 """
 
@@ -56,6 +57,7 @@ MAX_PROMPT = 40
 MAX_DECODE = 24
 MAX_REQUESTS = 8  # rows of the request table (arrivals now and then try for one more)
 GPU_SOAK_STEPS = int(os.environ.get("ATTNGRAPH_GPU_SOAK_STEPS", "2000"))
+COPY_MARGIN = 2.0  # exact checks where the fp32 reference's top-1 leads by this much and is the copy
 COPY_MAX_SPAN = 40  # copy prompts: up to 40 + 16 tokens, then up to MAX_DECODE copied ones
 ATOL = 1e-4
 
@@ -100,7 +102,7 @@ class Soak:
         self.copy = copy  # copy prompts, decoding continues the copy, decisive steps checked exactly
         self.active: dict[int, Request] = {}
         self.next_rid = 0
-        self.stats = dict(steps=0, idle=0, decode=0, extend=0, mixed=0, checked=0, exact=0, pool_full=0, rows_full=0, left_early=0)
+        self.stats = dict(steps=0, idle=0, decode=0, extend=0, mixed=0, checked=0, exact=0, not_decisive=0, pool_full=0, rows_full=0, left_early=0)
 
     # ------------------------------------------------------------------ reference
     def hf_logits(self, tokens: list[int]) -> torch.Tensor:
@@ -133,7 +135,10 @@ class Soak:
             return
         copied = req.tokens[pos + 1 - req.span]
         ours, ref = int(got.argmax()), int(want.argmax())
-        assert ref == copied, f"{where}: the reference picks {ref}, not the copy {copied}: the checkpoint is not decisive"
+        top2 = want.topk(2).values
+        if ref != copied or (top2[0] - top2[1]).item() < COPY_MARGIN:  # the checkpoint is not sure here
+            self.stats["not_decisive"] += 1
+            return
         assert ours == ref, (
             f"{where}: greedy choice {ours} (logit {got[ours].item():.3f}), reference {ref} (ours {got[ref].item():.3f})"
         )
@@ -166,7 +171,7 @@ class Soak:
             return
         span = None
         if self.copy:  # a span of distinct tokens, then 1..16 of its first tokens again
-            span = self.rng.randint(4, COPY_MAX_SPAN)
+            span = self.rng.randint(8, COPY_MAX_SPAN)
             prompt = self.rng.sample(range(copy_task.FIRST, self.vocab), span)
             prompt += prompt[: self.rng.randint(1, 16)]
             prompt_len = len(prompt)
@@ -312,7 +317,7 @@ def soak(arch: str, backend: str, page_size: int, steps: int, device: str = "cpu
         assert stats["decode"] and stats["extend"] and stats["mixed"] and stats["checked"] > steps
         assert stats["pool_full"] and stats["rows_full"] and stats["left_early"] and stats["idle"]
     if copy:  # most decode steps and a good part of each prompt are decisive
-        assert stats["exact"] >= stats["checked"] // 4, stats
+        assert stats["exact"] >= stats["checked"] // 4 and stats["not_decisive"] <= stats["exact"] // 10, stats
     return stats
 
 
