@@ -33,7 +33,7 @@ import torch
 
 from ..errors import BackendUnavailableError
 from .base import AttentionBackend, AttentionLayer, BackendCapabilities, GraphSupport, ModelAttentionSpec
-from .triton_ops import DEFAULT_MIN_SPLIT_LEN, decode_attention_fwd, dense_attention_fwd, extend_attention_fwd, interpreting
+from .triton_ops import DEFAULT_MIN_SPLIT_LEN, decode_attention_fwd, dense_attention_fwd, extend_attention_fwd, interpreter_problem, interpreting
 
 if TYPE_CHECKING:
     from ..runtime.forward_batch import ForwardBatch
@@ -56,6 +56,9 @@ INTERPRETER_HINT = (
     "(Triton's interpreter: slow, for stepping through the kernels); otherwise use "
     "attention_backend='torch_native'"
 )
+_INTERPRETER_PROBLEM = interpreter_problem() if interpreting() else None
+if _INTERPRETER_PROBLEM is not None:
+    INTERPRETER_HINT = f"TRITON_INTERPRET=1 is set, but {_INTERPRETER_PROBLEM}; or use attention_backend='torch_native'"
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -83,7 +86,7 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     capabilities = BackendCapabilities(
         # Under the interpreter the kernels take CPU tensors; "auto" never picks it there.
-        device_types=("cuda", "cpu") if interpreting() else ("cuda",),
+        device_types=("cuda", "cpu") if interpreting() and _INTERPRETER_PROBLEM is None else ("cuda",),
         device_hint=INTERPRETER_HINT,
         dtypes=(torch.float16, torch.bfloat16, torch.float32),
         head_dims=SUPPORTED_HEAD_DIMS,

@@ -33,7 +33,8 @@ def assert_pool_empty(model):
 
 def test_empty_prompt(model):
     with pytest.raises(ValueError, match="empty prompt"):
-        model(input_ids=torch.zeros((1, 0), dtype=torch.long), cache=attngraph.runtime.paged_cache.PagedCache(state_of(model).runner))
+        state = state_of(model)  # the cache keyword is `cache` or `past_key_values` by transformers version
+        model(input_ids=torch.zeros((1, 0), dtype=torch.long), **{state.cache_kwarg: attngraph.runtime.paged_cache.PagedCache(state.runner)})
     ids, mask = left_padded_batch(model.config.vocab_size, (5, 3))
     mask[1] = 0  # row 1 is all padding
     with pytest.raises(ValueError, match="empty prompt in row 1"):

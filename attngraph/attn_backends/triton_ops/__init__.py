@@ -7,7 +7,7 @@ Launch functions (tensor shapes in their docstrings):
 * `dense_attention_fwd`: the same kernel over contiguous, equal-length sequences.
 """
 
-from .decode_attention import DEFAULT_MIN_SPLIT_LEN, decode_attention_fwd, interpreting
+from .decode_attention import DEFAULT_MIN_SPLIT_LEN, decode_attention_fwd, interpreter_problem, interpreting
 from .extend_attention import dense_attention_fwd, extend_attention_fwd
 
 __all__ = [
@@ -15,5 +15,6 @@ __all__ = [
     "decode_attention_fwd",
     "dense_attention_fwd",
     "extend_attention_fwd",
+    "interpreter_problem",
     "interpreting",
 ]

@@ -48,6 +48,28 @@ def interpreting() -> bool:
     return _INTERPRETED
 
 
+def interpreter_problem() -> str | None:
+    """Why Triton's interpreter cannot run these kernels here, or None.
+
+    Triton before 3.7 turns a loop bound into an int with ``int(array)`` on a one-element
+    array, which numpy 2.4 refuses (``only 0-dimensional arrays can be converted``); later
+    Triton squeezes the array first. Probed, not assumed from numpy's version.
+    """
+    import numpy as np
+
+    version = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
+    if version >= (3, 7):
+        return None
+    try:
+        int(np.zeros(1))
+    except TypeError:
+        return (
+            f"Triton {triton.__version__}'s interpreter cannot run with numpy {np.__version__} "
+            "(int() of a one-element array); install triton>=3.7 or numpy<2.4"
+        )
+    return None
+
+
 def dot_options(dtype: torch.dtype) -> tuple[bool, str]:
     """``(upcast, input_precision)`` of the kernels' ``tl.dot`` for inputs of ``dtype``.
 
