@@ -27,3 +27,13 @@ def _reset_dynamo(request):
     if request.node.get_closest_marker("keep_dynamo_cache") is None:
         torch._dynamo.reset()
     yield
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test (bit-identity and exact-token checks: reductions then
+    run in one fixed order)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -19,12 +19,7 @@ from ..copy_task import GREEDY, MODELS, Prompt, expected, left_padded, load, per
 NEW = 64
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _equal_length_batch(name: str, count: int) -> list[Prompt]:

@@ -32,12 +32,7 @@ from ..hf_models import build_model, gpu_model
 BACKENDS = ["torch_native", "triton"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 

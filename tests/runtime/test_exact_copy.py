@@ -23,15 +23,9 @@ from ..copy_task import GREEDY, MODELS, expected, left_padded, load, prompts
 
 NEW = 64  # generated tokens per prompt on the CPU (the GPU tests generate 128)
 
-pytestmark = pytest.mark.keep_dynamo_cache
+pytestmark = [pytest.mark.keep_dynamo_cache, pytest.mark.usefixtures("one_thread")]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
