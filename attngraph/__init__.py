@@ -18,7 +18,7 @@ from .errors import (
     UnsupportedGenerationError,
     UnsupportedModelError,
 )
-from .runtime import attention_op as _attention_op  # registers torch.ops.attngraph.attention
+from . import ops as _ops  # registers torch.ops.attngraph.attention
 from .compiler import AttentionReport, explain
 from .compiler import make_backend as backend
 from .compiler import register as _register

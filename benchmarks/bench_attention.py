@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from attngraph.attn_backends.base import AttentionLayer, ModelAttentionSpec  # noqa: E402
 from attngraph.attn_backends.registry import get_backend_class  # noqa: E402
-from attngraph.runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from attngraph.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from attngraph.runtime.kv_pool import KVPool  # noqa: E402
 
 HQ, HKV, D, PAGE, DTYPE = 32, 8, 128, 16, torch.bfloat16

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import attngraph  # noqa: E402
 from attngraph.runtime.accelerate import state_of  # noqa: E402
 from attngraph.runtime.cuda_graph import GraphKey  # noqa: E402
-from attngraph.runtime.forward_batch import ForwardMode  # noqa: E402
+from attngraph.forward_batch import ForwardMode  # noqa: E402
 from attngraph.runtime.paged_cache import PagedCache  # noqa: E402
 from bench_generate import llama_1b  # noqa: E402
 

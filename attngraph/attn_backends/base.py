@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 if TYPE_CHECKING:
-    from ..runtime.forward_batch import ForwardBatch
+    from ..forward_batch import ForwardBatch
 
 
 class GraphSupport(enum.IntEnum):
@@ -159,7 +159,7 @@ class AttentionBackend:
         ``save_kv_cache`` the backend writes k/v into the pool at ``batch.out_cache_loc`` first.
         Returns ``[T, Hq, Dv]``.
         """
-        from ..runtime.forward_batch import ForwardMode
+        from ..forward_batch import ForwardMode
 
         if batch.mode is ForwardMode.IDLE:
             return q.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))

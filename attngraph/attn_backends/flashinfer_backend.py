@@ -91,7 +91,7 @@ import flashinfer  # ImportError here -> BackendUnavailableError in the registry
 import torch
 
 from ..errors import CaptureError
-from ..runtime.forward_batch import ForwardBatch, ForwardMode
+from ..forward_batch import ForwardBatch, ForwardMode
 from .base import AttentionBackend, AttentionLayer, BackendCapabilities, GraphSupport
 from .triton_ops.paged_metadata import build_paged_kv_metadata, host_paged_kv_lengths
 

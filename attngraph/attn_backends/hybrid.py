@@ -17,7 +17,7 @@ from typing import Iterable
 
 import torch
 
-from ..runtime.forward_batch import ForwardBatch, ForwardMode
+from ..forward_batch import ForwardBatch, ForwardMode
 from .base import AttentionBackend, AttentionLayer, BackendCapabilities, GraphSupport, ModelAttentionSpec
 from .registry import create_backend, resolve_backend_name
 

@@ -36,7 +36,7 @@ from .base import AttentionBackend, AttentionLayer, BackendCapabilities, GraphSu
 from .triton_ops import DEFAULT_MIN_SPLIT_LEN, decode_attention_fwd, dense_attention_fwd, extend_attention_fwd, interpreter_problem, interpreting
 
 if TYPE_CHECKING:
-    from ..runtime.forward_batch import ForwardBatch
+    from ..forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 

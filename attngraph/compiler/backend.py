@@ -19,7 +19,7 @@ from ..errors import ConfigError
 from ..passes import fx_utils as fu
 from ..passes.site import AttentionSite
 from ..passes.token_mixing import TokenMixingOp, check_token_mixing
-from ..runtime.forward_context import ForwardContext, use_forward_context
+from ..forward_context import ForwardContext, use_forward_context
 from .pipeline import PassPipeline
 from .report import AttentionReport, user_input_names
 

@@ -24,7 +24,7 @@ import operator
 import torch
 from torch import fx
 
-from ..runtime import attention_op  # noqa: F401  (registers the op)
+from .. import ops  # noqa: F401  (registers the op)
 from .site import AttentionSite
 
 logger = logging.getLogger(__name__)

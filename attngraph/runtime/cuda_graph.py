@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CaptureError
-from .forward_batch import ForwardBatch, ForwardMode
-from .forward_context import ForwardContext, use_forward_context
+from ..forward_batch import ForwardBatch, ForwardMode
+from ..forward_context import ForwardContext, use_forward_context
 
 logger = logging.getLogger(__name__)
 

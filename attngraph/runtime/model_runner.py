@@ -12,8 +12,8 @@ from ..attn_backends.torch_native import TorchNativeBackend
 from ..config import CompileConfig
 from ..errors import ConfigError, UnsupportedModelError
 from ..passes.site import AttentionSite
-from .forward_batch import ForwardBatch
-from .forward_context import ForwardContext, use_forward_context
+from ..forward_batch import ForwardBatch
+from ..forward_context import ForwardContext, use_forward_context
 from .kv_pool import KVPool
 from .ragged_model import MIN_TOKENS, RaggedModel
 

@@ -13,7 +13,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..errors import AttnGraphError, InputError
-from .forward_batch import ForwardBatch
+from ..forward_batch import ForwardBatch
 from .kv_pool import KVPool
 
 

@@ -23,7 +23,7 @@ flashinfer = pytest.importorskip("flashinfer")
 
 from attngraph.attn_backends.base import AttentionLayer  # noqa: E402
 from attngraph.attn_backends.torch_native import TorchNativeBackend  # noqa: E402
-from attngraph.runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from attngraph.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from attngraph.runtime.kv_pool import KVPool  # noqa: E402
 
 BF16, FP16 = torch.bfloat16, torch.float16

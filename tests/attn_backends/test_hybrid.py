@@ -22,7 +22,7 @@ from attngraph.attn_backends.hybrid import HybridBackend, combine_capabilities, 
 from attngraph.attn_backends.registry import known_backend_names, register_attention_backend  # noqa: E402
 from attngraph.attn_backends.torch_native import TorchNativeBackend  # noqa: E402
 from attngraph.errors import BackendUnavailableError  # noqa: E402
-from attngraph.runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from attngraph.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from attngraph.runtime.kv_pool import KVPool  # noqa: E402
 
 HQ, HKV, D, PAGE = 4, 2, 16, 4

@@ -17,7 +17,7 @@ import torch
 
 from attngraph.attn_backends.base import AttentionLayer
 from attngraph.attn_backends.torch_native import TorchNativeBackend
-from attngraph.runtime.forward_batch import ForwardBatch, ForwardMode
+from attngraph.forward_batch import ForwardBatch, ForwardMode
 from attngraph.runtime.kv_pool import KVPool
 
 ATOL = RTOL = 1e-5

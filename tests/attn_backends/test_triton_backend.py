@@ -45,7 +45,7 @@ from attngraph.attn_backends.base import AttentionLayer, ModelAttentionSpec  # n
 from attngraph.attn_backends.torch_native import TorchNativeBackend  # noqa: E402
 from attngraph.attn_backends.triton_backend import TritonBackend  # noqa: E402
 from attngraph.errors import BackendUnavailableError  # noqa: E402
-from attngraph.runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from attngraph.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from attngraph.runtime.kv_pool import KVPool  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

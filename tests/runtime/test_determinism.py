@@ -24,7 +24,7 @@ import torch
 from attngraph import CompileConfig
 from attngraph.attn_backends.registry import get_backend_class
 from attngraph.attn_backends.torch_native import TorchNativeBackend
-from attngraph.runtime.forward_batch import ForwardBatch, ForwardMode
+from attngraph.forward_batch import ForwardBatch, ForwardMode
 from attngraph.runtime.model_runner import ModelRunner
 
 from ..hf_models import build_model, gpu_model

@@ -20,8 +20,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 import attngraph
 from attngraph import AttnGraphError, CompileConfig
 from attngraph.runtime.accelerate import state_of
-from attngraph.runtime.forward_batch import ForwardBatch
-from attngraph.runtime.forward_context import get_forward_context
+from attngraph.forward_batch import ForwardBatch
+from attngraph.forward_context import get_forward_context
 from attngraph.runtime.kv_pool import KVPool
 from attngraph.runtime.model_runner import ModelRunner
 from attngraph.runtime.paged_cache import PagedCache

@@ -3,7 +3,7 @@ import random
 import pytest
 import torch
 
-from attngraph.runtime.forward_batch import ForwardBatch, ForwardMode
+from attngraph.forward_batch import ForwardBatch, ForwardMode
 from attngraph.runtime.kv_pool import KVPool
 
 FIELDS = [

@@ -18,7 +18,7 @@ from attngraph import CompileConfig
 from attngraph.errors import UnsupportedModelError
 from attngraph.passes.site import AttentionSite, ScaleExpr
 from attngraph.runtime.accelerate import state_of
-from attngraph.runtime.forward_batch import ForwardBatch
+from attngraph.forward_batch import ForwardBatch
 from attngraph.runtime.model_runner import ModelRunner, attention_geometry
 from attngraph.runtime.paged_cache import PagedCache
 

@@ -44,7 +44,7 @@ import torch
 
 from attngraph import CompileConfig, KVCacheFullError
 from attngraph.attn_backends.registry import get_backend_class
-from attngraph.runtime.forward_batch import ForwardBatch, ForwardMode
+from attngraph.forward_batch import ForwardBatch, ForwardMode
 from attngraph.runtime.model_runner import ModelRunner
 
 from .. import copy_task

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:
-    from ..attn_backends.base import AttentionBackend
+    from .attn_backends.base import AttentionBackend
     from .forward_batch import ForwardBatch
 
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .kv_pool import KVPool
+    from .runtime.kv_pool import KVPool
 
 
 class ForwardMode(enum.Enum):

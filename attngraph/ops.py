@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from ..attn_backends.base import AttentionLayer
+from .attn_backends.base import AttentionLayer
 from .forward_context import get_forward_context
 
 
@@ -27,7 +27,7 @@ def _layer(layer_id: int, hq: int, hkv: int, d: int, dv: int, scale: float, caus
 
 @functools.lru_cache(maxsize=1)
 def _reference_backend():
-    from ..attn_backends.torch_native import TorchNativeBackend
+    from .attn_backends.torch_native import TorchNativeBackend
 
     return TorchNativeBackend()
 
