@@ -10,13 +10,18 @@ from typing import Any
 
 from .errors import ConfigError
 
-CUDA_GRAPH_MODES = ("none", "piecewise", "full", "auto")
+CUDA_GRAPH_MODES = ("auto", "full_and_piecewise", "piecewise", "full", "breakable", "none")
 PIECE_COMPILERS = ("auto", "inductor", "eager")
 
 
 def default_capture_sizes() -> tuple[int, ...]:
     """Batch sizes captured by default: 1, 2, 4, 8, then steps of 8 up to 256."""
     return (1, 2, 4) + tuple(range(8, 257, 8))
+
+
+def default_num_tokens() -> tuple[int, ...]:
+    """Token counts the piecewise graphs are captured for: powers of two from 8 to 512."""
+    return (8, 16, 32, 64, 128, 256, 512)
 
 
 @dataclass(frozen=True)
@@ -33,12 +38,23 @@ class CompileConfig:
         Override the backend for prefill (EXTEND/MIXED) or DECODE steps only; when they differ
         a `HybridBackend` routes by mode. ``None`` inherits ``attention_backend``.
     cuda_graph:
-        ``"none"``, ``"full"`` (each decode step captured whole, attention included, per padded
-        batch size), ``"piecewise"`` (reserved: static pieces between attention ops; not
-        implemented yet, rejected by `accelerate`), or ``"auto"`` (full when the backend can
-        capture decode attention on CUDA, else none).
+        How the paged runtime uses CUDA graphs (CUDA only; on another device only ``"none"``
+        and ``"auto"`` are accepted):
+
+        * ``"full"``: each decode step captured whole, attention included, per padded batch
+          size (``cuda_graph_capture_sizes``); other steps run without graphs.
+        * ``"piecewise"``: the graph is split at attention; the pieces between attention ops
+          are captured per padded token count (``cuda_graph_num_tokens``) and attention runs
+          eagerly between them, for every kind of step.
+        * ``"full_and_piecewise"``: full graphs for decode steps, piecewise for the rest.
+        * ``"breakable"``: piecewise graphs of the traced FX code without inductor (fast
+          start: no inductor compile).
+        * ``"none"``; ``"auto"``: ``full_and_piecewise`` on CUDA, ``none`` elsewhere.
     cuda_graph_capture_sizes:
-        Batch sizes (tokens for piecewise) captured; the real batch is padded up to the next one.
+        Decode batch sizes captured by full graphs; a batch is padded up to the next one.
+    cuda_graph_num_tokens:
+        Token counts captured by piecewise graphs; a step is padded up to the next one, and
+        one above the largest runs without graphs.
     page_size:
         Tokens per KV page (>= 1).
     kv_cache_tokens, kv_memory_fraction:
@@ -70,6 +86,7 @@ class CompileConfig:
     decode_attention_backend: str | None = None
     cuda_graph: str = "auto"
     cuda_graph_capture_sizes: tuple[int, ...] = field(default_factory=default_capture_sizes)
+    cuda_graph_num_tokens: tuple[int, ...] = field(default_factory=default_num_tokens)
     page_size: int = 16
     kv_cache_tokens: int | None = None
     kv_memory_fraction: float | None = None
@@ -96,10 +113,11 @@ class CompileConfig:
             raise ConfigError(f"cuda_graph={self.cuda_graph!r}; choose one of {CUDA_GRAPH_MODES}")
         if self.piece_compiler not in PIECE_COMPILERS:
             raise ConfigError(f"piece_compiler={self.piece_compiler!r}; choose one of {PIECE_COMPILERS}")
-        sizes = tuple(self.cuda_graph_capture_sizes)
-        if not sizes or any((not isinstance(s, int)) or s < 1 for s in sizes):
-            raise ConfigError(f"cuda_graph_capture_sizes must be positive ints, got {sizes!r}")
-        object.__setattr__(self, "cuda_graph_capture_sizes", tuple(sorted(set(sizes))))
+        for fname in ("cuda_graph_capture_sizes", "cuda_graph_num_tokens"):
+            sizes = tuple(getattr(self, fname))
+            if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
+                raise ConfigError(f"{fname} must be positive ints, got {sizes!r}")
+            object.__setattr__(self, fname, tuple(sorted(set(sizes))))
         _check_int(self.page_size, "page_size", 1)
         _check_int(self.max_requests, "max_requests", 1)
         if self.max_context_len is not None:
@@ -139,8 +157,17 @@ class CompileConfig:
         return "inductor" if device_type == "cuda" else "eager"
 
     def resolved_cuda_graph(self, device_type: str) -> str:
+        """The graph mode on ``device_type``: ``"auto"`` resolved; a mode the device cannot
+        run is a `ConfigError` that names the ones it can."""
         if device_type != "cuda":
-            return "none"
+            if self.cuda_graph in ("auto", "none"):
+                return "none"
+            raise ConfigError(
+                f"cuda_graph={self.cuda_graph!r} needs a CUDA device, but the model is on {device_type}; "
+                "use cuda_graph='none' (or 'auto', which is 'none' off CUDA)"
+            )
+        if self.cuda_graph == "auto":
+            return "full_and_piecewise"
         return self.cuda_graph
 
 

@@ -40,6 +40,10 @@ class AttnGraphBackend:
     indices into it (``logits_indices``). With them, every lowered graph is checked for ops
     outside attention that move data across tokens (`check_token_mixing`); the findings go
     to ``report.token_mixing`` before ``on_sites`` is called.
+
+    ``compile_hook(gm, example_inputs, input_names)`` (paged mode): compiles the lowered
+    graph instead of `compile_graph`; the runtime passes one that splits the graph at
+    attention for piecewise CUDA graphs. ``input_names`` maps placeholders to the user's names.
     """
 
     def __init__(
@@ -50,6 +54,7 @@ class AttnGraphBackend:
         on_sites: Callable[[list[AttentionSite]], None] | None = None,
         token_inputs: Iterable[str] = (),
         row_index_inputs: Iterable[str] = (),
+        compile_hook: Callable[[fx.GraphModule, list[Any], dict[str, str]], Callable] | None = None,
     ) -> None:
         if mode not in ("stateless", "paged"):
             raise ValueError(f"mode must be 'stateless' or 'paged', got {mode!r}")
@@ -62,6 +67,7 @@ class AttnGraphBackend:
         self.on_sites = on_sites
         self.token_inputs = tuple(token_inputs)
         self.row_index_inputs = tuple(row_index_inputs)
+        self.compile_hook = compile_hook
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         input_names = user_input_names(gm)  # read before the passes rewrite the graph
@@ -72,6 +78,8 @@ class AttnGraphBackend:
         if self.on_sites is not None:
             self.on_sites(sites)
         device_type = _device_type(sites, example_inputs)
+        if self.mode == "paged" and self.compile_hook is not None:
+            return self.compile_hook(gm, example_inputs, input_names)
         compiled = compile_graph(gm, example_inputs, self.config.resolved_piece_compiler(device_type))
         if self.mode == "paged":
             return compiled

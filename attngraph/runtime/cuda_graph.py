@@ -21,6 +21,7 @@ import torch
 from ..errors import CaptureError
 from ..forward_batch import ForwardBatch, ForwardMode
 from ..forward_context import ForwardContext, use_forward_context
+from .graph_memory import non_owning
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ class GraphKey:
 class DecodeGraphRunner:
     """Captures and replays decode steps of a `ModelRunner` (see module docstring)."""
 
-    def __init__(self, runner, capture_sizes: tuple[int, ...], debug: bool = False) -> None:
+    def __init__(self, runner, capture_sizes: tuple[int, ...], debug: bool = False, mempool=None) -> None:
         self.runner = runner
         self.backend = runner.backend
         pool = runner.pool
@@ -63,7 +64,7 @@ class DecodeGraphRunner:
         self.batches: dict[int, ForwardBatch] = {}
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, torch.Tensor] = {}
-        self.mempool = torch.cuda.graph_pool_handle()
+        self.mempool = mempool if mempool is not None else torch.cuda.graph_pool_handle()
         self._addresses: dict[GraphKey, tuple[int, ...]] = {}
 
     # ------------------------------------------------------------------ capture
@@ -93,13 +94,14 @@ class DecodeGraphRunner:
         with use_forward_context(ForwardContext(self.backend, batch)):
             return self.runner.ragged(batch.input_ids, batch.positions, self.logits_indices[:bs])
 
-    def capture(self) -> None:
-        from tqdm.auto import tqdm
-
+    def capture(self, progress=None) -> None:
+        """Capture every size, largest first (``progress``: a tqdm bar, updated per size)."""
         self.backend.init_cuda_graph_state(self.max_bs, self.max_bs)
         stream = torch.cuda.Stream()
         sizes = sorted(self.sizes, reverse=True)  # largest first: later graphs reuse its pool memory
-        for bs in tqdm(sizes, desc="attngraph: capturing decode CUDA graphs", unit="graph", leave=False):
+        for bs in sizes:
+            if progress is not None:
+                progress.set_postfix_str(f"decode batch {bs}")
             batch = self._static_batch(bs)
             key = GraphKey(ForwardMode.DECODE, bs)
             try:
@@ -115,7 +117,9 @@ class DecodeGraphRunner:
             except Exception as exc:
                 raise CaptureError(f"capturing the decode graph of batch size {bs} failed: {exc}") from exc
             self.graphs[key] = graph
-            self.outputs[key] = out
+            self.outputs[key] = non_owning(out)  # the pool memory stays the graph's; smaller sizes may reuse it
+            if progress is not None:
+                progress.update(1)
             if self.debug:
                 self._addresses[key] = self._input_addresses(batch)
         torch.cuda.synchronize()

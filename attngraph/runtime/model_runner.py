@@ -21,6 +21,8 @@ logger = logging.getLogger(__name__)
 
 #: KV pool size on CPU when the config gives none (tokens).
 CPU_DEFAULT_KV_TOKENS = 16384
+#: Graph modes that split the graph at attention (`runtime.piecewise`).
+PIECEWISE_MODES = ("piecewise", "full_and_piecewise", "breakable")
 #: Fraction of free device memory the pool takes on CUDA when the config gives no size.
 CUDA_DEFAULT_KV_FRACTION = 0.4
 MAX_DEFAULT_CONTEXT = 32768
@@ -99,7 +101,19 @@ class ModelRunner:
         self.backend: AttentionBackend | None = None
         self._reference = TorchNativeBackend()
         self.graphs = None  # DecodeGraphRunner once captured
-        self.ragged = RaggedModel(model, config)
+        self.piecewise = None  # PiecewiseGraphRunner once captured
+        self.graph_mode = config.resolved_cuda_graph(self.device.type)  # ConfigError for a mode the device lacks
+        self._piecewise_state = None
+        hook = None
+        if self.graph_mode in PIECEWISE_MODES:
+            import functools
+
+            from .piecewise import PiecewiseState, build_piecewise
+
+            self._piecewise_state = PiecewiseState(debug=bool(config.debug_dump_dir))
+            compiler = "eager" if self.graph_mode == "breakable" else config.resolved_piece_compiler(self.device.type)
+            hook = functools.partial(build_piecewise, piece_compiler=compiler, state=self._piecewise_state)
+        self.ragged = RaggedModel(model, config, compile_hook=hook)
         self.ragged.backend.on_sites = self._on_sites_checked
 
     # ------------------------------------------------------------------ setup
@@ -207,7 +221,7 @@ class ModelRunner:
     def warmup(self) -> None:
         """Compile now (a 2-token dummy sequence, which sizes the pool; then a prefill and a
         decode step of a dummy request on the chosen backend) so errors surface at `accelerate`
-        time; then capture the decode CUDA graphs if the config asks for them."""
+        time; then capture the CUDA graphs ``graph_mode`` asks for."""
         pool = self.pool
         row = pool.alloc_request()
         try:
@@ -217,27 +231,56 @@ class ModelRunner:
             self.forward(ForwardBatch.build(pool, [row], [2], [1], ids[2:]))
         finally:
             pool.free_request(row)
-        mode = self.config.resolved_cuda_graph(self.device.type)
-        if mode == "auto":
-            support = self.backend.capabilities.graph_support.get("decode", GraphSupport.NEVER)
-            mode = "full" if support >= GraphSupport.FULL else "none"
-        if mode == "piecewise":
-            raise ConfigError(
-                "cuda_graph='piecewise' is not implemented yet; use cuda_graph='full' (decode steps "
-                "captured whole) or 'none'"
-            )
-        if mode == "full":
-            support = self.backend.capabilities.graph_support.get("decode", GraphSupport.NEVER)
-            if support < GraphSupport.FULL:
-                raise ConfigError(
-                    f"cuda_graph='full' needs a backend that captures decode attention; "
-                    f"{type(self.backend).__name__} does not. Use attention_backend='flashinfer' or 'triton', "
-                    "or cuda_graph='none'"
-                )
-            from .cuda_graph import DecodeGraphRunner
+        self._capture_graphs()
 
-            self.graphs = DecodeGraphRunner(self, self.config.cuda_graph_capture_sizes, debug=bool(self.config.debug_dump_dir))
-            self.graphs.capture()
+    def _capture_graphs(self) -> None:
+        """Capture what ``graph_mode`` asks for into one memory pool, largest first: the
+        piecewise buckets (up to 512 tokens by default), then the decode batch sizes."""
+        mode = self.graph_mode
+        if mode == "none":
+            return
+        decode_support = self.backend.capabilities.graph_support.get("decode", GraphSupport.NEVER)
+        full = mode in ("full", "full_and_piecewise") and decode_support >= GraphSupport.FULL
+        if mode == "full" and not full:
+            raise ConfigError(
+                f"cuda_graph='full' needs a backend that captures decode attention; "
+                f"{type(self.backend).__name__} does not. Use attention_backend='flashinfer' or 'triton', "
+                "cuda_graph='piecewise' (attention runs between the graphs) or cuda_graph='none'"
+            )
+        import time
+
+        from tqdm.auto import tqdm
+
+        from .cuda_graph import DecodeGraphRunner
+        from .graph_memory import pool_bytes
+        from .piecewise_runner import PiecewiseGraphRunner
+
+        cfg = self.config
+        torch.cuda.synchronize()
+        start, before = time.perf_counter(), pool_bytes(self.device)
+        mempool = torch.cuda.graph_pool_handle()
+        pieces = decode = None
+        if mode in PIECEWISE_MODES:
+            state = self._piecewise_state
+            state.mempool, state.stream = mempool, torch.cuda.Stream(self.device)
+            pieces = PiecewiseGraphRunner(self, state, cfg.cuda_graph_num_tokens, breakable=mode == "breakable")
+        if full:
+            decode = DecodeGraphRunner(self, cfg.cuda_graph_capture_sizes, debug=bool(cfg.debug_dump_dir), mempool=mempool)
+        total = (len(pieces.sizes) if pieces else 0) + (len(decode.sizes) if decode else 0)
+        with tqdm(total=total, desc="attngraph: capturing CUDA graphs", unit="size", leave=False) as bar:
+            if pieces is not None:
+                pieces.capture(bar)
+            if decode is not None:
+                decode.capture(bar)
+        self.piecewise, self.graphs = pieces, decode
+        torch.cuda.synchronize()
+        logger.info(
+            "cuda_graph=%s: captured %d piecewise graphs (%s tokens) and %d decode graphs (batch sizes %s) "
+            "in %.1f s; graph memory %.0f MiB",
+            mode, pieces.state.num_graphs if pieces else 0, list(pieces.sizes) if pieces else [],
+            len(decode.graphs) if decode else 0, list(decode.sizes) if decode else [],
+            time.perf_counter() - start, (pool_bytes(self.device) - before) / 2**20,
+        )
 
     # ------------------------------------------------------------------ step
     def forward(self, batch: ForwardBatch, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
@@ -247,6 +290,8 @@ class ModelRunner:
             if self.graphs is not None and self.graphs.can_run(batch):
                 return self.graphs.replay(batch)
             logits_indices = batch.qo_indptr[1:].long() - 1
+        if self.piecewise is not None and self.piecewise.can_run(batch):
+            return self.piecewise.run(batch, logits_indices)
         backend = self.backend or self._reference  # serves a call that compiles (the sites pick the backend)
         backend.init_forward_metadata(batch)
         with use_forward_context(ForwardContext(backend, batch)):
@@ -261,6 +306,9 @@ class ModelRunner:
         compiled callable (and its backend object) alive until `torch._dynamo.reset`, so the
         big buffers are dropped explicitly and the compiler's hook is cut."""
         self.graphs = None
+        self.piecewise = None
+        if self._piecewise_state is not None:
+            self._piecewise_state.release()
         self.backend = None
         self.ragged.backend.on_sites = None
         self.ragged.backend.graphs.clear()

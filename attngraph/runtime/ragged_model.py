@@ -41,7 +41,8 @@ _UNCOMPILED = (
 class RaggedModel:
     """Calls ``model`` in ragged form through the attngraph compiler (paged mode)."""
 
-    def __init__(self, model: torch.nn.Module, config: CompileConfig) -> None:
+    def __init__(self, model: torch.nn.Module, config: CompileConfig, compile_hook=None) -> None:
+        """``compile_hook``: see `AttnGraphBackend` (the piecewise runtime's split compile)."""
         check_attn_implementation(model)
         self.model = model
         self.config = config
@@ -52,6 +53,7 @@ class RaggedModel:
             on_sites=self._check_sites,
             token_inputs=TOKEN_INPUTS,
             row_index_inputs=ROW_INDEX_INPUTS,
+            compile_hook=compile_hook,
         )
         forward = model.forward  # bound before `accelerate` patches the instance
 

@@ -1,0 +1,108 @@
+"""`PiecewiseGraphRunner`: runs prefill, extend and mixed steps through the piecewise graphs.
+
+The step's token count ``n`` is padded up to the next captured bucket ``N``
+(``CompileConfig.cuda_graph_num_tokens``): the runner's static ``input_ids`` / ``positions``
+buffers take the real tokens in ``[:n]`` and zeros after, the attention op leaves rows past
+``n`` out of the KV pool and returns zeros for them, and the logits are taken only at the real
+rows (``logits_indices``), so padding never reaches an output. The backend plans for the real
+batch before every step; attention runs eagerly between the replayed pieces. A step above
+the largest bucket runs the compiled pieces without graphs.
+
+Capture (largest bucket first) runs a dummy request of ``N`` tokens on the pool's
+``pad_row`` (no pages: its table row is the dummy page) whose K/V all go to slot 0 of the
+dummy page: one warm-up run without graphs (kernels compiled and autotuned for that size),
+then one run that records every static piece.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+
+import torch
+
+from ..forward_batch import ForwardBatch, ForwardMode
+from ..forward_context import ForwardContext, use_forward_context
+from .piecewise import PiecewiseState
+
+logger = logging.getLogger(__name__)
+
+
+class PiecewiseGraphRunner:
+    """Captures the static pieces of ``runner``'s model per token-count bucket and replays them."""
+
+    def __init__(self, runner, state: PiecewiseState, sizes: tuple[int, ...], breakable: bool = False) -> None:
+        self.runner = runner
+        self.state = state
+        self.sizes = sorted(sizes)
+        self.max_tokens = self.sizes[-1]
+        self.breakable = breakable
+        device = runner.device
+        state.max_tokens = max(state.max_tokens, self.max_tokens)
+        self.input_ids = torch.zeros(self.max_tokens, dtype=torch.long, device=device)
+        self.positions = torch.zeros(self.max_tokens, dtype=torch.long, device=device)
+
+    # ------------------------------------------------------------------ capture
+    def _dummy_batch(self, n: int) -> ForwardBatch:
+        pool = self.runner.pool
+        device = pool.device
+        ints = lambda values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
+        return ForwardBatch(
+            mode=ForwardMode.EXTEND,
+            input_ids=self.input_ids[:n],
+            positions=self.positions[:n],
+            req_pool_indices=ints([pool.pad_row]).to(device),
+            seq_lens=ints([n]).to(device),
+            seq_lens_cpu=ints([n]),
+            extend_seq_lens=ints([n]).to(device),
+            extend_seq_lens_cpu=ints([n]),
+            extend_prefix_lens=ints([0]).to(device),
+            extend_prefix_lens_cpu=ints([0]),
+            qo_indptr=ints([0, n]).to(device),
+            out_cache_loc=torch.zeros(n, dtype=torch.long, device=device),  # slot 0 of the dummy page
+            kv_pool=pool,
+        )
+
+    def capture(self, progress=None) -> None:
+        """Record every static piece for each bucket, largest first (``progress``: a tqdm bar)."""
+        state = self.state
+        backend = self.runner.backend
+        self.input_ids.zero_()
+        self.positions.zero_()
+        for n in sorted(self.sizes, reverse=True):
+            if progress is not None:
+                progress.set_postfix_str(f"piecewise {n} tokens")
+            batch = self._dummy_batch(n)
+            last = torch.tensor([n - 1], dtype=torch.long, device=self.runner.device)
+            backend.init_forward_metadata(batch)
+            with use_forward_context(ForwardContext(backend, batch)):
+                with state.step(None):  # warm-up: per-size kernels compiled outside the capture
+                    self.runner.ragged(batch.input_ids, batch.positions, last)
+                torch.cuda.synchronize()
+                with state.step(n, capturing=True):
+                    self.runner.ragged(batch.input_ids, batch.positions, last)
+            torch.cuda.synchronize()
+            if progress is not None:
+                progress.update(1)
+
+    # ------------------------------------------------------------------ replay
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return 0 < batch.num_tokens <= self.max_tokens and batch.mode is not ForwardMode.IDLE
+
+    def bucket(self, n: int) -> int:
+        return self.sizes[bisect.bisect_left(self.sizes, n)]
+
+    def run(self, batch: ForwardBatch, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Logits ``[L, vocab]`` at ``logits_indices: [L]`` (rows of the real tokens)."""
+        n = batch.num_tokens
+        size = self.bucket(n)
+        ids, pos = self.input_ids[:size], self.positions[:size]
+        ids[:n].copy_(batch.input_ids)
+        pos[:n].copy_(batch.positions)
+        if n < size:
+            ids[n:].zero_()
+            pos[n:].zero_()
+        backend = self.runner.backend
+        backend.init_forward_metadata(batch)
+        with use_forward_context(ForwardContext(backend, batch)), self.state.step(size):
+            return self.runner.ragged(ids, pos, logits_indices.to(self.runner.device))

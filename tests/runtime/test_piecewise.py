@@ -1,0 +1,90 @@
+"""The piecewise runtime on the CPU: the graph split at attention (its pieces run without
+graphs off CUDA) computes the same logits as the unsplit graph; graph modes off CUDA are
+either ``none`` or a ConfigError.
+
+The captured graphs themselves run only on CUDA: `test_piecewise_gpu.py`.
+"""
+
+import functools
+
+import pytest
+import torch
+
+import attngraph
+from attngraph import CompileConfig
+from attngraph.errors import ConfigError
+from attngraph.forward_batch import ForwardBatch
+from attngraph.runtime.model_runner import ModelRunner
+from attngraph.runtime.piecewise import PiecewiseState, StaticPiece, build_piecewise
+from attngraph.runtime.ragged_model import RaggedModel
+
+from ..hf_models import build_model
+
+
+def _split_runner(model, config: CompileConfig) -> tuple[ModelRunner, PiecewiseState]:
+    """A CPU ModelRunner whose ragged model is compiled through the piecewise split."""
+    runner = ModelRunner(model, config)
+    state = PiecewiseState()
+    runner.ragged = RaggedModel(model, config, compile_hook=functools.partial(build_piecewise, piece_compiler="eager", state=state))
+    runner.ragged.backend.on_sites = runner._on_sites_checked
+    return runner, state
+
+
+def _steps(runner: ModelRunner, prompts: list[torch.Tensor], decode_tokens: torch.Tensor) -> list[torch.Tensor]:
+    """A mixed prefill of ``prompts`` then one decode step; returns both steps' logits."""
+    pool = runner.pool
+    rows = [pool.alloc_request() for _ in prompts]
+    lens = [len(p) for p in prompts]
+    pool.reserve(rows, [n + 1 for n in lens])
+    first = runner.forward(ForwardBatch.build(pool, rows, [0] * len(rows), lens, torch.cat(prompts)))
+    second = runner.forward(ForwardBatch.build(pool, rows, lens, [1] * len(rows), decode_tokens))
+    for r in rows:
+        pool.free_request(r)
+    return [first, second]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
+def test_split_ragged_model_gives_the_unsplit_logits(arch):
+    impl = "eager" if arch == "gemma2" else "sdpa"
+    config = CompileConfig(attention_backend="torch_native", page_size=4, kv_cache_tokens=512, max_requests=4)
+    g = torch.Generator().manual_seed(11)
+    model = build_model(arch, impl, seed=5)
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=g) for n in (9, 3, 14)]
+    decode = torch.randint(0, vocab, (3,), generator=g)
+
+    plain = ModelRunner(model, config)
+    want = _steps(plain, prompts, decode)
+    runner, state = _split_runner(model, config)
+    got = _steps(runner, prompts, decode)
+    for a, b in zip(got, want):
+        assert a.abs().max() > 0
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert runner.num_compilations == 1
+    n_layers = model.config.num_hidden_layers
+    assert len(state.pieces) == n_layers + 1  # static pieces: before, between and after the attention ops
+    assert all(isinstance(p, StaticPiece) and not p.entries for p in state.pieces)  # no graphs off CUDA
+
+
+@pytest.mark.parametrize("mode", ["full", "piecewise", "full_and_piecewise", "breakable"])
+def test_graph_modes_off_cuda_are_config_errors_naming_the_alternative(mode):
+    model = build_model("llama", "sdpa", seed=2)
+    with pytest.raises(ConfigError, match="needs a CUDA device.*cuda_graph='none'"):
+        attngraph.accelerate(model, attention_backend="torch_native", cuda_graph=mode)
+    assert "generate" not in vars(model) and "forward" not in vars(model)  # left as it was
+
+
+@pytest.mark.parametrize("mode", ["none", "auto"])
+def test_none_and_auto_run_off_cuda(mode):
+    model = build_model("llama", "sdpa", seed=3)
+    attngraph.accelerate(model, attention_backend="torch_native", cuda_graph=mode, kv_cache_tokens=256)
+    out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 6)
+
+
+def test_unknown_mode_and_bad_token_sizes_are_config_errors():
+    with pytest.raises(ConfigError, match="cuda_graph"):
+        CompileConfig(cuda_graph="pieces")
+    with pytest.raises(ConfigError, match="cuda_graph_num_tokens"):
+        CompileConfig(cuda_graph_num_tokens=(8, 0))
+    assert CompileConfig(cuda_graph_num_tokens=(64, 8, 8)).cuda_graph_num_tokens == (8, 64)
