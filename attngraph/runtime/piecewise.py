@@ -52,6 +52,7 @@ class PiecewiseState:
     stream: "torch.cuda.Stream | None" = None
     max_tokens: int = 0
     num_graphs: int = 0
+    replays: int = 0  # piece replays so far (tests and benchmarks read it)
     staging: dict[tuple, torch.Tensor] = field(default_factory=dict)
     pieces: list["StaticPiece"] = field(default_factory=list)
 
@@ -112,6 +113,7 @@ class StaticPiece:
             if state.debug and self._addresses(args, entry) != entry.addresses:
                 raise CaptureError(f"an input of graph piece {self.name} (bucket {bucket}) moved since capture")
             entry.graph.replay()
+            state.replays += 1
             return entry.outputs
         if not state.capturing:
             return self.compiled(*args)

@@ -44,6 +44,12 @@ RUNS = [
     ("flashinfer", "none", BF16, 16),
     ("flashinfer", "full", BF16, 16),
     ("flashinfer", "full", BF16, 1),
+    ("torch_native", "piecewise", BF16, 16),
+    ("triton", "full_and_piecewise", BF16, 16),
+    ("triton", "breakable", FP32, 1),
+    ("flashinfer", "full_and_piecewise", BF16, 16),
+    ("flashinfer", "piecewise", BF16, 1),
+    ("flashinfer", "breakable", BF16, 16),
 ]
 CAPTURE_SIZES = (1, 2, 4, 8, 16)
 BATCHES = [1, 3, 16]
@@ -87,10 +93,11 @@ def accelerated(request):
         max_requests=32, max_context_len=512, cuda_graph_capture_sizes=CAPTURE_SIZES,
     )  # fmt: skip
     runner = state_of(model).runner
-    if graph == "full":
+    if graph in ("full", "full_and_piecewise"):
         assert runner.graphs is not None and len(runner.graphs.graphs) == len(CAPTURE_SIZES)
     else:
         assert runner.graphs is None
+    assert (runner.piecewise is not None) == (graph in ("piecewise", "full_and_piecewise", "breakable"))
     yield request.param, model
     attngraph.restore(model)
 

@@ -277,6 +277,10 @@ def cpu_triton() -> bool:
     return "cpu" in get_backend_class("triton").capabilities.device_types
 
 
+#: GPU soaks: full graphs for decode batches up to 8, piecewise graphs for other steps up to 128 tokens.
+GPU_GRAPHS = dict(cuda_graph="full_and_piecewise", cuda_graph_capture_sizes=(1, 2, 3, 4, 8), cuda_graph_num_tokens=(8, 16, 32, 64, 128))
+
+
 def soak(arch: str, backend: str, page_size: int, steps: int, device: str = "cpu", dtype=torch.float32) -> dict:
     """``arch``: a tiny random-weight architecture of ``tests/hf_models.py``, or a trained copy
     model of ``tests/copy_task.py`` (then decisive steps are checked exactly)."""
@@ -289,14 +293,14 @@ def soak(arch: str, backend: str, page_size: int, steps: int, device: str = "cpu
         reference.load_state_dict(model.state_dict())  # the reference holds the rounded weights
         atol = ATOL if device == "cpu" else (2e-3 if dtype == torch.float32 else None)
         if device == "cuda":
-            extra = dict(cuda_graph="full", cuda_graph_capture_sizes=(1, 2, 3, 4, 8))
+            extra = GPU_GRAPHS
     elif device == "cpu":
         model = reference = build_model(arch, "sdpa", seed=model_seed)
         atol = ATOL
     else:
         model, reference = gpu_model(arch, dtype, model_seed)
         atol = 2e-3 if dtype == torch.float32 else None  # inductor's fp32 GEMMs and reductions
-        extra = dict(cuda_graph="full", cuda_graph_capture_sizes=(1, 2, 3, 4, 8))
+        extra = GPU_GRAPHS
     cfg = CompileConfig(
         attention_backend=backend,
         page_size=page_size,
@@ -309,6 +313,7 @@ def soak(arch: str, backend: str, page_size: int, steps: int, device: str = "cpu
     runner.warmup()
     if device == "cuda":
         assert runner.graphs is not None, "the GPU soak must run the decode CUDA graphs"
+        assert runner.piecewise is not None, "the GPU soak must run the piecewise CUDA graphs"
     seed = _seed()
     stats = Soak(model, runner, seed, reference=reference, atol=atol, copy=copy).run(steps)
     print(f"soak {arch} {backend} {device} {dtype} page_size={page_size} model_seed={model_seed} seed={seed}: {stats}")
@@ -318,6 +323,9 @@ def soak(arch: str, backend: str, page_size: int, steps: int, device: str = "cpu
     assert pool.num_free_pages == pool.num_pages
     assert not pool.req_to_page_cpu.any() and not pool.req_to_page.any()
     assert runner.num_compilations <= 2, f"seed={seed}: {runner.num_compilations} compilations"
+    if device == "cuda":
+        stats["piece_replays"] = runner.piecewise.state.replays
+        assert stats["piece_replays"] > 0, "no extend step went through the piecewise graphs"
     # The run really mixed things up.
     if steps >= 500:
         assert stats["decode"] and stats["extend"] and stats["mixed"] and stats["checked"] > steps
