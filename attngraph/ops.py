@@ -32,8 +32,7 @@ def _reference_backend():
     return TorchNativeBackend()
 
 
-@torch.library.custom_op("attngraph::attention", mutates_args=())
-def attention(
+def attention_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -49,6 +48,9 @@ def attention(
     ``layer_id`` names the KV-pool layer (paged form). ``window_left = -1``: no window.
     ``logit_cap = 0``: no softcap. ``batch_size``: number of equal-length sequences in the
     stateless form (ignored in the paged form, where the ForwardBatch gives the structure).
+
+    The body of `torch.ops.attngraph.attention`; the piecewise runtime calls it directly
+    between graph pieces (no dispatcher round trip).
     """
     layer = _layer(layer_id, q.shape[1], k.shape[1], q.shape[2], v.shape[2], scale, causal, window_left, logit_cap)
     ctx = get_forward_context()
@@ -64,6 +66,32 @@ def attention(
         return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
     backend = ctx.backend if ctx is not None else _reference_backend()
     return backend.forward_dense(q, k, v, layer, batch_size).contiguous()
+
+
+def paged_attention_into(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_id: int,
+    scale: float,
+    causal: bool,
+    window_left: int,
+    logit_cap: float,
+    batch_size: int,
+) -> torch.Tensor:
+    """The paged form writing rows ``[:n]`` of ``out: [T, Hq, Dv]`` (n: the published batch's
+    tokens; rows past n are padding and keep whatever they held: the rows of a token-wise
+    graph never read each other). Returns ``out``."""
+    ctx = get_forward_context()
+    n = ctx.batch.num_tokens
+    layer = _layer(layer_id, q.shape[1], k.shape[1], q.shape[2], v.shape[2], scale, causal, window_left, logit_cap)
+    out[:n].copy_(ctx.backend.forward(q[:n], k[:n], v[:n], layer, ctx.batch))
+    return out
+
+
+attention = torch.library.custom_op("attngraph::attention", mutates_args=())(attention_impl)
+attention.__doc__ = attention_impl.__doc__
 
 
 @attention.register_fake

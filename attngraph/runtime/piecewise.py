@@ -55,6 +55,7 @@ class PiecewiseState:
     replays: int = 0  # piece replays so far (tests and benchmarks read it)
     staging: dict[tuple, torch.Tensor] = field(default_factory=dict)
     pieces: list["StaticPiece"] = field(default_factory=list)
+    modules: list[fx.GraphModule] = field(default_factory=list)  # the split module of each compiled graph
 
     @contextlib.contextmanager
     def step(self, bucket: int | None, capturing: bool = False) -> Iterator[None]:
@@ -68,17 +69,21 @@ class PiecewiseState:
 
     def staging_view(self, like: torch.Tensor) -> torch.Tensor:
         """Rows ``[:like.shape[0]]`` of the staging buffer for ``like``'s trailing shape."""
-        key = (tuple(like.shape[1:]), like.dtype, like.device)
+        return self.staging_rows(like.shape[0], tuple(like.shape[1:]), like.dtype, like.device)
+
+    def staging_rows(self, rows: int, trailing: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (trailing, dtype, device)
         buf = self.staging.get(key)
         if buf is None:
-            buf = torch.empty((self.max_tokens, *like.shape[1:]), dtype=like.dtype, device=like.device)
+            buf = torch.zeros((self.max_tokens, *trailing), dtype=dtype, device=device)
             self.staging[key] = buf
-        return buf[: like.shape[0]]
+        return buf[:rows]
 
     def release(self) -> None:
         for piece in self.pieces:
             piece.entries.clear()
         self.pieces.clear()
+        self.modules.clear()
         self.staging.clear()
         self.num_graphs = 0
 
@@ -109,7 +114,8 @@ class StaticPiece:
         entry = self.entries.get(bucket)
         if entry is not None:
             for i, view in entry.staged:
-                view.copy_(args[i])
+                if args[i].data_ptr() != view.data_ptr():  # an attention piece wrote it in place
+                    view.copy_(args[i])
             if state.debug and self._addresses(args, entry) != entry.addresses:
                 raise CaptureError(f"an input of graph piece {self.name} (bucket {bucket}) moved since capture")
             entry.graph.replay()
@@ -124,7 +130,8 @@ class StaticPiece:
         staged = []
         for i in self.staged_args:
             view = state.staging_view(args[i])
-            view.copy_(args[i])
+            if args[i].data_ptr() != view.data_ptr():
+                view.copy_(args[i])
             args[i] = view
             staged.append((i, view))
         graph = torch.cuda.CUDAGraph()
@@ -152,6 +159,41 @@ class StaticPiece:
         return tuple(a.data_ptr() for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in staged)
 
 
+class AttentionPiece:
+    """One attention op between graph pieces, called without the dispatcher.
+
+    With a bucket published it writes the real rows of its output straight into the staging
+    buffer the next graph piece was captured reading (`ops.paged_attention_into`), so the
+    replay copies nothing; otherwise it is the op itself (`ops.attention_impl`).
+    """
+
+    def __init__(self, name: str, sub: fx.GraphModule, state: PiecewiseState) -> None:
+        from ..compiler.split import is_attention_node
+
+        self.name = name
+        self.state = state
+        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        (call,) = [n for n in sub.graph.nodes if is_attention_node(n)]
+        outputs = [n for n in sub.graph.nodes if n.op == "output"]
+        if call.kwargs or outputs[0].args[0] is not call:
+            raise CaptureError(f"attention piece {name} is not a single positional call of the op")
+        # Each op argument: ("arg", index into the piece's inputs) or ("const", value).
+        self.template = tuple(
+            ("arg", placeholders.index(a)) if isinstance(a, fx.Node) else ("const", a) for a in call.args
+        )
+
+    def __call__(self, *inputs: Any) -> torch.Tensor:
+        from ..ops import attention_impl, paged_attention_into
+
+        args = [inputs[v] if kind == "arg" else v for kind, v in self.template]
+        state = self.state
+        if state.bucket is None:
+            return attention_impl(*args)
+        q, v = args[0], args[2]
+        out = state.staging_rows(q.shape[0], (q.shape[1], v.shape[2]), q.dtype, q.device)
+        return paged_attention_into(out, *args)
+
+
 def build_piecewise(
     gm: fx.GraphModule,
     example_inputs: list[Any],
@@ -168,6 +210,7 @@ def build_piecewise(
     module = split.module
     staged = _staged_args(module, kinds)
     compiled: dict[str, Callable] = {}
+    by_structure: dict[tuple, Callable] = {}
 
     class _CompilePieces(fx.Interpreter):
         """Runs the split module on fake inputs; each piece is compiled with the fake
@@ -176,7 +219,14 @@ def build_piecewise(
         def call_module(self, target: str, args: Any, kwargs: Any) -> Any:
             out = super().call_module(target, args, kwargs)
             if kinds[target] in (STATIC, ROWS):
-                compiled[target] = compile_graph(getattr(module, target), list(args), piece_compiler)
+                sub = getattr(module, target)
+                key = structure_key(sub, args)
+                fn = by_structure.get(key) if key is not None else None
+                if fn is None:
+                    fn = compile_graph(sub, list(args), piece_compiler)
+                    if key is not None:
+                        by_structure[key] = fn
+                compiled[target] = fn
             return out
 
     fake_mode = torch._guards.detect_fake_mode(example_inputs) or torch._guards.detect_fake_mode()
@@ -194,19 +244,68 @@ def build_piecewise(
     with fake_mode, enable_python_dispatcher():
         _CompilePieces(module).run(*fake_args)
 
-    for name, fn in compiled.items():
-        if kinds[name] == STATIC:
-            piece = StaticPiece(name, fn, state, staged.get(name, ()))
+    for name, kind in kinds.items():
+        if kind == STATIC:
+            piece = StaticPiece(name, compiled[name], state, staged.get(name, ()))
             state.pieces.append(piece)
+        elif kind == ATTENTION:
+            piece = AttentionPiece(name, getattr(module, name), state)
         else:
-            piece = fn
+            piece = compiled[name]
         delattr(module, name)
         setattr(module, name, piece)
+    state.modules.append(module)
     logger.info(
-        "piecewise: %d static pieces, %d attention pieces, %d row pieces",
-        len(split.of_kind(STATIC)), len(split.of_kind(ATTENTION)), len(split.of_kind(ROWS)),
+        "piecewise: %d static pieces (%d compiled, the others share their code), %d attention pieces, %d row pieces",
+        len(split.of_kind(STATIC)), len(set(map(id, compiled.values()))), len(split.of_kind(ATTENTION)),
+        len(split.of_kind(ROWS)),
     )
     return module
+
+
+def structure_key(sub: fx.GraphModule, args: Any) -> tuple | None:
+    """A key equal for two pieces that compute the same function of their inputs: the same
+    ops on the same argument structure (node names ignored) and inputs of the same shapes,
+    strides and dtypes. Each decoder layer's piece differs from the next only in the weights
+    it is given, so one compiled piece serves every layer. None (never shared) for a piece
+    that reads module attributes (constants of its own)."""
+    index: dict[fx.Node, int] = {}
+    ops = []
+
+    def norm(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            return ("node", index[a])
+        if isinstance(a, (tuple, list)):
+            return (type(a).__name__, tuple(norm(x) for x in a))
+        if isinstance(a, dict):
+            return ("dict", tuple(sorted((k, norm(v)) for k, v in a.items())))
+        if isinstance(a, slice):
+            return ("slice", norm(a.start), norm(a.stop), norm(a.step))
+        if isinstance(a, (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)):
+            return (type(a).__name__, repr(a))
+        raise TypeError
+    try:
+        for node in sub.graph.nodes:
+            if node.op == "get_attr":
+                return None
+            target = node.target if node.op in ("call_method", "placeholder", "output") else _qualified(node.target)
+            ops.append((node.op, target if node.op != "placeholder" else "", norm(node.args), norm(node.kwargs)))
+            index[node] = len(index)
+    except TypeError:
+        return None
+    inputs = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            inputs.append(("t", str(a.shape), str(a.stride()), a.dtype, a.device.type, a.requires_grad))
+        else:
+            inputs.append(("v", type(a).__name__, str(a)))
+    return tuple(ops), tuple(inputs)
+
+
+def _qualified(target: Any) -> str:
+    module = getattr(target, "__module__", None) or ""
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
+    return f"{module}.{name}@{id(target)}"  # the object itself: two builtins may share a name
 
 
 def _staged_args(module: fx.GraphModule, kinds: dict[str, str]) -> dict[str, tuple[int, ...]]:

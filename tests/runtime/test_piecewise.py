@@ -88,3 +88,48 @@ def test_unknown_mode_and_bad_token_sizes_are_config_errors():
     with pytest.raises(ConfigError, match="cuda_graph_num_tokens"):
         CompileConfig(cuda_graph_num_tokens=(8, 0))
     assert CompileConfig(cuda_graph_num_tokens=(64, 8, 8)).cuda_graph_num_tokens == (8, 64)
+
+
+def test_layers_share_one_compiled_piece_and_attention_runs_without_the_dispatcher():
+    from attngraph.runtime.piecewise import AttentionPiece
+
+    model = build_model("llama", "sdpa", seed=4)
+    config = CompileConfig(attention_backend="torch_native", page_size=4, kv_cache_tokens=256, max_requests=2)
+    runner, state = _split_runner(model, config)
+    _ = runner.pool  # compiles
+    layers = model.config.num_hidden_layers
+    compiled = {id(p.compiled) for p in state.pieces}
+    # first (embedding .. layer 0's q/k/v), middle (o_proj .. next q/k/v), last (o_proj .. norm)
+    assert len(state.pieces) == layers + 1 and len(compiled) == 3
+    # The split module calls AttentionPiece objects where the attention submodules were.
+    (module,) = state.modules
+    called = [getattr(module, n.target) for n in module.graph.nodes if n.op == "call_module"]
+    assert sum(isinstance(c, AttentionPiece) for c in called) == layers
+    assert sum(isinstance(c, StaticPiece) for c in called) == layers + 1
+
+
+def test_padding_rows_never_reach_the_real_rows(one_thread):
+    """A step padded to more rows (as a bucket pads it) gives the real rows' logits exactly."""
+    model = build_model("qwen2", "sdpa", seed=6)
+    config = CompileConfig(attention_backend="torch_native", page_size=4, kv_cache_tokens=512, max_requests=4)
+    runner, state = _split_runner(model, config)
+    pool = runner.pool
+    g = torch.Generator().manual_seed(8)
+    prompt = torch.randint(0, model.config.vocab_size, (13,), generator=g)
+    row = pool.alloc_request()
+    pool.reserve([row], [13])
+    batch = ForwardBatch.build(pool, [row], [0], [13], prompt)
+    last = batch.qo_indptr[1:].long() - 1
+    from attngraph.forward_context import ForwardContext, use_forward_context
+
+    backend = runner.backend
+    backend.init_forward_metadata(batch)
+    with use_forward_context(ForwardContext(backend, batch)):
+        want = runner.ragged(batch.input_ids, batch.positions, last)
+        state.max_tokens = 32
+        padded_ids = torch.cat([prompt, torch.randint(0, model.config.vocab_size, (19,), generator=g)])
+        padded_pos = torch.cat([batch.positions, torch.arange(19)])
+        with state.step(32):  # no graph captured for 32 on the CPU: the compiled pieces run, attention writes staging rows
+            got = runner.ragged(padded_ids, padded_pos, last)
+    pool.free_request(row)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
