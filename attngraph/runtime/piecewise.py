@@ -33,7 +33,7 @@ import torch
 from torch import fx
 
 from ..compiler.backend import compile_graph
-from ..compiler.ragged_check import ROW_INDEX_INPUTS
+from ..compiler.ragged_check import ROW_INDEX_INPUTS, TOKEN_INPUTS
 from ..compiler.split import ATTENTION, ROWS, STATIC, split_at_attention
 from ..errors import CaptureError
 from .graph_memory import non_owning_tree
@@ -99,17 +99,22 @@ class _Entry:
 class StaticPiece:
     """A compiled token-wise piece, captured and replayed per bucket (module docstring)."""
 
-    def __init__(self, name: str, compiled: Callable, state: PiecewiseState, staged_args: tuple[int, ...]) -> None:
+    def __init__(
+        self, name: str, compiled: Callable, state: PiecewiseState, staged_args: tuple[int, ...], capturable: bool = True
+    ) -> None:
         self.name = name
         self.compiled = compiled
         self.state = state
         self.staged_args = staged_args  # argument positions that hold eager attention outputs
+        # False when the piece's sizes depend on anything but the token count (a graph
+        # captured per bucket would replay stale sizes): it always runs compiled.
+        self.capturable = capturable
         self.entries: dict[int, _Entry] = {}
 
     def __call__(self, *args: Any) -> Any:
         state = self.state
         bucket = state.bucket
-        if bucket is None:
+        if bucket is None or not self.capturable:
             return self.compiled(*args)
         entry = self.entries.get(bucket)
         if entry is not None:
@@ -210,6 +215,7 @@ def build_piecewise(
     module = split.module
     staged = _staged_args(module, kinds)
     compiled: dict[str, Callable] = {}
+    capturable: dict[str, bool] = {}
     by_structure: dict[tuple, Callable] = {}
 
     class _CompilePieces(fx.Interpreter):
@@ -218,6 +224,7 @@ def build_piecewise(
 
         def call_module(self, target: str, args: Any, kwargs: Any) -> Any:
             out = super().call_module(target, args, kwargs)
+            capturable[target] = free_symbols(args) <= token_symbols
             if kinds[target] in (STATIC, ROWS):
                 sub = getattr(module, target)
                 key = structure_key(sub, args)
@@ -241,12 +248,15 @@ def build_piecewise(
         fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x
         for x in example_inputs
     ]
+    token_symbols = _token_symbols(module, fake_args, input_names)
     with fake_mode, enable_python_dispatcher():
         _CompilePieces(module).run(*fake_args)
 
     for name, kind in kinds.items():
         if kind == STATIC:
-            piece = StaticPiece(name, compiled[name], state, staged.get(name, ()))
+            piece = StaticPiece(name, compiled[name], state, staged.get(name, ()), capturable[name])
+            if not piece.capturable:
+                logger.warning("piecewise: %s has sizes other than the token count; it runs without graphs", name)
             state.pieces.append(piece)
         elif kind == ATTENTION:
             piece = AttentionPiece(name, getattr(module, name), state)
@@ -261,6 +271,37 @@ def build_piecewise(
         len(split.of_kind(ROWS)),
     )
     return module
+
+
+def free_symbols(values: Any) -> set:
+    """Symbols in the sizes and strides of fake tensors and in symbolic scalars."""
+    found: set = set()
+
+    def add(x: Any) -> None:
+        if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            found.update(x.node.expr.free_symbols)
+
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            for d in (*v.shape, *v.stride(), v.storage_offset()):
+                add(d)
+        elif isinstance(v, (tuple, list)):
+            found |= free_symbols(v)
+        else:
+            add(v)
+    return found
+
+
+def _token_symbols(module: fx.GraphModule, fake_args: list[Any], input_names: dict[str, str]) -> set:
+    """Symbols of the token count: those in the sizes of the token inputs (``input_ids``,
+    ``position_ids``)."""
+    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+    wanted = set(TOKEN_INPUTS) | {f"l_{name}_" for name in TOKEN_INPUTS}
+    found: set = set()
+    for node, value in zip(placeholders, fake_args):
+        if input_names.get(node.name, node.name) in wanted or node.name in wanted:
+            found |= free_symbols([value])
+    return found
 
 
 def structure_key(sub: fx.GraphModule, args: Any) -> tuple | None:

@@ -101,6 +101,7 @@ def test_layers_share_one_compiled_piece_and_attention_runs_without_the_dispatch
     compiled = {id(p.compiled) for p in state.pieces}
     # first (embedding .. layer 0's q/k/v), middle (o_proj .. next q/k/v), last (o_proj .. norm)
     assert len(state.pieces) == layers + 1 and len(compiled) == 3
+    assert all(p.capturable for p in state.pieces)  # sizes follow the token count alone
     # The split module calls AttentionPiece objects where the attention submodules were.
     (module,) = state.modules
     called = [getattr(module, n.target) for n in module.graph.nodes if n.op == "call_module"]
@@ -133,3 +134,16 @@ def test_padding_rows_never_reach_the_real_rows(one_thread):
             got = runner.ragged(padded_ids, padded_pos, last)
     pool.free_request(row)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_piece_sized_by_more_than_the_token_count_is_never_captured(monkeypatch):
+    """Without the row split, the last piece also takes the logits rows (a second dynamic
+    size): a graph captured per token bucket would replay stale row counts, so it runs compiled."""
+    import attngraph.runtime.piecewise as piecewise
+
+    monkeypatch.setattr(piecewise, "ROW_INDEX_INPUTS", ())
+    model = build_model("llama", "sdpa", seed=7)
+    config = CompileConfig(attention_backend="torch_native", page_size=4, kv_cache_tokens=256, max_requests=2)
+    runner, state = _split_runner(model, config)
+    _ = runner.pool  # compiles
+    assert [p.capturable for p in state.pieces] == [True] * model.config.num_hidden_layers + [False]
