@@ -42,6 +42,7 @@ BENCHMARKS = {
     "generate": "bench_generate.py",
     "attention": "bench_attention.py",
     "profile-decode": "profile_decode.py",
+    "prefill": "bench_prefill.py",
 }
 
 

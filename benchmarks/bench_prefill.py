@@ -113,7 +113,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench_prefill.py needs a CUDA device")
+        sys.exit("bench_prefill.py needs a CUDA device (it times bf16 prefill steps and CUDA-graph captures on the GPU)")
     torch.manual_seed(0)
     cfg = llama_1b(16) if args.shape == "1b" else llama_8b()
     with torch.device("cuda"):

@@ -5,6 +5,7 @@
 # results go to $OUT (default benchmarks/results):
 #   bash benchmarks/run_gpu.sh tests   # every `gpu` test, soak included (ATTNGRAPH_GPU_SOAK_STEPS)
 #   bash benchmarks/run_gpu.sh bench   # kernel benchmark, then end-to-end generate benchmark
+#   bash benchmarks/run_gpu.sh prefill # prefill steps per CUDA-graph mode, then accelerate() alone
 #   QUICK=1 ...                        # shorter benchmark: quick kernel shapes, batch 1 only
 set -u
 OUT=${OUT:-benchmarks/results}
@@ -24,5 +25,14 @@ if [ "$stage" = bench ] || [ "$stage" = all ]; then
     timeout 360 python3 benchmarks/bench_generate.py --backends flashinfer,triton --batches $BATCHES --hf-static \
         --out "$OUT/generate.json" > "$OUT/bench_generate.md" 2>&1
     echo "bench_generate rc=$?" >> "$OUT/device.txt"
+fi
+if [ "$stage" = prefill ]; then
+    timeout 360 python3 benchmarks/bench_prefill.py --out "$OUT/prefill.json" > "$OUT/bench_prefill.md" 2> "$OUT/bench_prefill.log"
+    echo "bench_prefill rc=$?" >> "$OUT/device.txt"
+    for shape in 1b 8b; do
+        timeout 120 python3 benchmarks/bench_prefill.py --setup-only --shape $shape --modes full_and_piecewise \
+            --out "$OUT/setup_$shape.json" > "$OUT/setup_$shape.log" 2>&1
+        echo "setup $shape rc=$?" >> "$OUT/device.txt"
+    done
 fi
 echo "done" >> "$OUT/device.txt"

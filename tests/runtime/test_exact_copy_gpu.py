@@ -9,8 +9,9 @@ turn be the copied span, so the reference itself is known to be right. A wrong p
 length in one request, a window one token off or a stale field in one captured graph moves
 attention off the one position that holds the answer, and the tokens differ.
 
-Every backend x graph mode (``cuda_graph="none"`` and ``"full"`` where the backend captures
-decode attention) x dtype it supports (FlashInfer has no fp32 kernels), on 1- and 16-token
+Every backend x graph mode (``cuda_graph="none"``, ``"full"`` where the backend captures
+decode attention, and the piecewise modes ``"piecewise"``, ``"full_and_piecewise"``,
+``"breakable"`` that replay the prefill) x dtype it supports (FlashInfer has no fp32 kernels), on 1- and 16-token
 pages, for the GQA model and the sliding-window model (window 40, prompts + 128 tokens run far
 past it). attngraph's own decoding loop (plain ``generate``) runs every batch, HF's loop
 (``output_logits=True``) the batch of 3; each accelerated model is built once and serves all
