@@ -60,8 +60,7 @@ def attention_impl(
             return ctx.backend.forward(q, k, v, layer, ctx.batch).contiguous()
         # Rows past the batch's tokens pad the graph input (see RaggedModel): zero output, no K/V.
         out = q.new_zeros((q.shape[0], q.shape[1], v.shape[2]))
-        out[:n] = ctx.backend.forward(q[:n], k[:n], v[:n], layer, ctx.batch)
-        return out
+        return paged_attention_into(out, q, k, v, layer_id, scale, causal, window_left, logit_cap, batch_size)
     if q.shape[0] == 0 or batch_size == 0:  # an empty batch: nothing to attend (eager gives [0, ...] too)
         return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
     backend = ctx.backend if ctx is not None else _reference_backend()

@@ -29,6 +29,11 @@ from attngraph.runtime.accelerate import state_of
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_generate import copy_bandwidth, llama_1b  # noqa: E402
+from profile_decode import per_call_ms as _per_call_ms  # noqa: E402
+
+
+def per_call_ms(fn, iters: int = 20) -> float:
+    return _per_call_ms(fn, iters, warmup=2)
 
 SHAPES = [(1, 128), (1, 1024), (1, 4096), (8, 128), (8, 1024)]
 MODES = ["none", "full", "full_and_piecewise", "piecewise", "breakable"]
@@ -53,17 +58,6 @@ def gemm_flops_per_s() -> float:
         a @ b
     torch.cuda.synchronize()
     return 2 * 8192**3 * 20 / (time.perf_counter() - t0)
-
-
-def per_call_ms(fn, iters: int = 20) -> float:
-    fn()
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters * 1e3
 
 
 def prefill_step(runner, batch: int, length: int, vocab: int):

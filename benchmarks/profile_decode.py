@@ -35,8 +35,10 @@ from attngraph.runtime.paged_cache import PagedCache  # noqa: E402
 from bench_generate import llama_1b  # noqa: E402
 
 
-def per_call_ms(fn, iters: int) -> float:
-    fn()
+def per_call_ms(fn, iters: int, warmup: int = 1) -> float:
+    """Mean ms per call of ``fn`` over ``iters`` calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(iters):

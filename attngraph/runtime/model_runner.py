@@ -263,7 +263,7 @@ class ModelRunner:
         if mode in PIECEWISE_MODES:
             state = self._piecewise_state
             state.mempool, state.stream = mempool, torch.cuda.Stream(self.device)
-            pieces = PiecewiseGraphRunner(self, state, cfg.cuda_graph_num_tokens, breakable=mode == "breakable")
+            pieces = PiecewiseGraphRunner(self, state, cfg.cuda_graph_num_tokens)
         if full:
             decode = DecodeGraphRunner(self, cfg.cuda_graph_capture_sizes, debug=bool(cfg.debug_dump_dir), mempool=mempool)
         total = (len(pieces.sizes) if pieces else 0) + (len(decode.sizes) if decode else 0)

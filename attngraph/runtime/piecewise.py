@@ -34,8 +34,9 @@ from torch import fx
 
 from ..compiler.backend import compile_graph
 from ..compiler.ragged_check import ROW_INDEX_INPUTS, TOKEN_INPUTS
-from ..compiler.split import ATTENTION, ROWS, STATIC, split_at_attention
+from ..compiler.split import ATTENTION, ROWS, STATIC, is_attention_node, split_at_attention
 from ..errors import CaptureError
+from ..ops import attention_impl, paged_attention_into
 from .graph_memory import non_owning_tree
 
 logger = logging.getLogger(__name__)
@@ -173,8 +174,6 @@ class AttentionPiece:
     """
 
     def __init__(self, name: str, sub: fx.GraphModule, state: PiecewiseState) -> None:
-        from ..compiler.split import is_attention_node
-
         self.name = name
         self.state = state
         placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
@@ -188,8 +187,6 @@ class AttentionPiece:
         )
 
     def __call__(self, *inputs: Any) -> torch.Tensor:
-        from ..ops import attention_impl, paged_attention_into
-
         args = [inputs[v] if kind == "arg" else v for kind, v in self.template]
         state = self.state
         if state.bucket is None:

@@ -8,9 +8,9 @@ rows (``logits_indices``), so padding never reaches an output. The backend plans
 batch before every step; attention runs eagerly between the replayed pieces. A step above
 the largest bucket runs the compiled pieces without graphs.
 
-Capture (largest bucket first) runs a dummy request of ``N`` tokens on the pool's
-``pad_row`` (no pages: its table row is the dummy page) whose K/V all go to slot 0 of the
-dummy page: one warm-up run without graphs (kernels compiled and autotuned for that size),
+Capture (largest bucket first) runs dummy requests of ``N`` tokens in all on the pool's
+``pad_row`` (no pages: its table row is the dummy page; each at most one row long) whose K/V
+all go to slot 0 of the dummy page: one warm-up run without graphs (kernels compiled and autotuned for that size),
 then one run that records every static piece.
 """
 
@@ -31,12 +31,11 @@ logger = logging.getLogger(__name__)
 class PiecewiseGraphRunner:
     """Captures the static pieces of ``runner``'s model per token-count bucket and replays them."""
 
-    def __init__(self, runner, state: PiecewiseState, sizes: tuple[int, ...], breakable: bool = False) -> None:
+    def __init__(self, runner, state: PiecewiseState, sizes: tuple[int, ...]) -> None:
         self.runner = runner
         self.state = state
         self.sizes = sorted(sizes)
         self.max_tokens = self.sizes[-1]
-        self.breakable = breakable
         device = runner.device
         state.max_tokens = max(state.max_tokens, self.max_tokens)
         self.input_ids = torch.zeros(self.max_tokens, dtype=torch.long, device=device)
@@ -44,21 +43,30 @@ class PiecewiseGraphRunner:
 
     # ------------------------------------------------------------------ capture
     def _dummy_batch(self, n: int) -> ForwardBatch:
+        """``n`` tokens of dummy requests on the pool's ``pad_row``, none longer than the
+        table row (``max_context_len``): a bucket may exceed what one request can hold, and
+        the backends read a request's pages from its row."""
         pool = self.runner.pool
         device = pool.device
-        ints = lambda values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
+        width = pool.max_pages_per_req * pool.page_size
+        lens = [width] * (n // width) + ([n % width] if n % width else [])
+        b = len(lens)
+        seq = torch.tensor(lens, dtype=torch.int32)
+        indptr = torch.zeros(b + 1, dtype=torch.int32)
+        torch.cumsum(seq, 0, out=indptr[1:])
+        zeros = torch.zeros(b, dtype=torch.int32)
         return ForwardBatch(
             mode=ForwardMode.EXTEND,
             input_ids=self.input_ids[:n],
             positions=self.positions[:n],
-            req_pool_indices=ints([pool.pad_row]).to(device),
-            seq_lens=ints([n]).to(device),
-            seq_lens_cpu=ints([n]),
-            extend_seq_lens=ints([n]).to(device),
-            extend_seq_lens_cpu=ints([n]),
-            extend_prefix_lens=ints([0]).to(device),
-            extend_prefix_lens_cpu=ints([0]),
-            qo_indptr=ints([0, n]).to(device),
+            req_pool_indices=torch.full((b,), pool.pad_row, dtype=torch.int32, device=device),
+            seq_lens=seq.to(device),
+            seq_lens_cpu=seq,
+            extend_seq_lens=seq.to(device),
+            extend_seq_lens_cpu=seq.clone(),
+            extend_prefix_lens=zeros.to(device),
+            extend_prefix_lens_cpu=zeros,
+            qo_indptr=indptr.to(device),
             out_cache_loc=torch.zeros(n, dtype=torch.long, device=device),  # slot 0 of the dummy page
             kv_pool=pool,
         )
@@ -73,7 +81,7 @@ class PiecewiseGraphRunner:
             if progress is not None:
                 progress.set_postfix_str(f"piecewise {n} tokens")
             batch = self._dummy_batch(n)
-            last = torch.tensor([n - 1], dtype=torch.long, device=self.runner.device)
+            last = (batch.qo_indptr[1:] - 1).long()
             backend.init_forward_metadata(batch)
             with use_forward_context(ForwardContext(backend, batch)):
                 with state.step(None):  # warm-up: per-size kernels compiled outside the capture

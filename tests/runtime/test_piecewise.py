@@ -147,3 +147,20 @@ def test_a_piece_sized_by_more_than_the_token_count_is_never_captured(monkeypatc
     runner, state = _split_runner(model, config)
     _ = runner.pool  # compiles
     assert [p.capturable for p in state.pieces] == [True] * model.config.num_hidden_layers + [False]
+
+
+def test_capture_dummy_requests_stay_within_one_table_row():
+    """A bucket larger than ``max_context_len`` is captured with several dummy requests on the
+    padding row, each within its table row (the backends read a request's pages from it)."""
+    from attngraph.runtime.piecewise_runner import PiecewiseGraphRunner
+
+    model = build_model("llama", "sdpa", seed=9)
+    config = CompileConfig(attention_backend="torch_native", page_size=4, kv_cache_tokens=256, max_requests=2, max_context_len=16)
+    runner = ModelRunner(model, config)
+    pieces = PiecewiseGraphRunner(runner, PiecewiseState(), (8, 40))
+    batch = pieces._dummy_batch(40)
+    assert batch.seq_lens_cpu.tolist() == [16, 16, 8] and batch.num_tokens == 40
+    assert set(batch.req_pool_indices.tolist()) == {runner.pool.pad_row}
+    logits = runner.forward(batch)  # the reference backend indexes the table: no row overrun
+    assert logits.shape == (3, model.config.vocab_size) and torch.isfinite(logits).all()
+    assert runner.pool.num_used_pages == 0
