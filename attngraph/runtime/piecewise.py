@@ -319,9 +319,9 @@ def structure_key(sub: fx.GraphModule, args: Any) -> tuple | None:
             return ("dict", tuple(sorted((k, norm(v)) for k, v in a.items())))
         if isinstance(a, slice):
             return ("slice", norm(a.start), norm(a.stop), norm(a.step))
-        if isinstance(a, (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        if isinstance(a, (int, float, bool, str, type(None), type(...), torch.dtype, torch.device, torch.layout, torch.memory_format)):
             return (type(a).__name__, repr(a))
-        raise TypeError
+        raise TypeError(f"no structure key for {type(a).__name__}")
     try:
         for node in sub.graph.nodes:
             if node.op == "get_attr":
@@ -329,7 +329,8 @@ def structure_key(sub: fx.GraphModule, args: Any) -> tuple | None:
             target = node.target if node.op in ("call_method", "placeholder", "output") else _qualified(node.target)
             ops.append((node.op, target if node.op != "placeholder" else "", norm(node.args), norm(node.kwargs)))
             index[node] = len(index)
-    except TypeError:
+    except TypeError as exc:
+        logger.debug("piecewise: a piece is compiled on its own (%s)", exc)
         return None
     inputs = []
     for a in args:

@@ -9,6 +9,7 @@ import functools
 
 import pytest
 import torch
+import transformers
 
 import attngraph
 from attngraph import CompileConfig
@@ -18,7 +19,7 @@ from attngraph.runtime.model_runner import ModelRunner
 from attngraph.runtime.piecewise import PiecewiseState, StaticPiece, build_piecewise
 from attngraph.runtime.ragged_model import RaggedModel
 
-from ..hf_models import build_model
+from ..hf_models import build_model, tiny_config
 
 
 def _split_runner(model, config: CompileConfig) -> tuple[ModelRunner, PiecewiseState]:
@@ -93,11 +94,13 @@ def test_unknown_mode_and_bad_token_sizes_are_config_errors():
 def test_layers_share_one_compiled_piece_and_attention_runs_without_the_dispatcher():
     from attngraph.runtime.piecewise import AttentionPiece
 
-    model = build_model("llama", "sdpa", seed=4)
+    cfg = tiny_config("llama")
+    cfg.num_hidden_layers = layers = 4  # three middle pieces, which must share one compiled function
+    torch.manual_seed(4)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
     config = CompileConfig(attention_backend="torch_native", page_size=4, kv_cache_tokens=256, max_requests=2)
     runner, state = _split_runner(model, config)
     _ = runner.pool  # compiles
-    layers = model.config.num_hidden_layers
     compiled = {id(p.compiled) for p in state.pieces}
     # first (embedding .. layer 0's q/k/v), middle (o_proj .. next q/k/v), last (o_proj .. norm)
     assert len(state.pieces) == layers + 1 and len(compiled) == 3
