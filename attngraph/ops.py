@@ -85,7 +85,7 @@ def paged_attention_into(
     ctx = get_forward_context()
     n = ctx.batch.num_tokens
     layer = _layer(layer_id, q.shape[1], k.shape[1], q.shape[2], v.shape[2], scale, causal, window_left, logit_cap)
-    out[:n].copy_(ctx.backend.forward(q[:n], k[:n], v[:n], layer, ctx.batch))
+    ctx.backend.forward(q[:n], k[:n], v[:n], layer, ctx.batch, out=out[:n])
     return out
 
 

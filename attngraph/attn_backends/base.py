@@ -121,6 +121,8 @@ class AttentionBackend:
     capabilities: ClassVar[BackendCapabilities]
     #: Lengths used for dummy requests while capturing: 1, not 0, since capture really runs kernels.
     cuda_graph_seq_len_fill_value: ClassVar[int] = 1
+    #: True when `forward_extend` takes ``out=`` and its kernel writes the result there (no copy).
+    extend_writes_out: ClassVar[bool] = False
 
     def __init__(self, spec: ModelAttentionSpec | None = None) -> None:
         self.spec = spec
@@ -152,20 +154,29 @@ class AttentionBackend:
         layer: AttentionLayer,
         batch: "ForwardBatch",
         save_kv_cache: bool = True,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Paged attention of the new tokens of ``batch``.
 
         ``q: [T, Hq, D]``, ``k: [T, Hkv, D]``, ``v: [T, Hkv, Dv]`` are the new tokens'; with
         ``save_kv_cache`` the backend writes k/v into the pool at ``batch.out_cache_loc`` first.
-        Returns ``[T, Hq, Dv]``.
+        Returns ``[T, Hq, Dv]``; with ``out`` (contiguous ``[T, Hq, Dv]``) the result is written
+        there and ``out`` is returned (by the kernel itself where `extend_writes_out`).
         """
         from ..forward_batch import ForwardMode
 
         if batch.mode is ForwardMode.IDLE:
-            return q.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))
-        if batch.mode is ForwardMode.DECODE:
-            return self.forward_decode(q, k, v, layer, batch, save_kv_cache)
-        return self.forward_extend(q, k, v, layer, batch, save_kv_cache)
+            res = q.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))
+        elif batch.mode is ForwardMode.DECODE:
+            res = self.forward_decode(q, k, v, layer, batch, save_kv_cache)
+        elif out is not None and self.extend_writes_out:
+            return self.forward_extend(q, k, v, layer, batch, save_kv_cache, out=out)
+        else:
+            res = self.forward_extend(q, k, v, layer, batch, save_kv_cache)
+        if out is None:
+            return res
+        out.copy_(res)
+        return out
 
     def forward_decode(self, q, k, v, layer: AttentionLayer, batch: "ForwardBatch", save_kv_cache: bool = True) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} has no decode path")

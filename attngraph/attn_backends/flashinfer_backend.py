@@ -172,6 +172,7 @@ class _StepMeta:
 
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
+    extend_writes_out = True
     capabilities = BackendCapabilities(
         device_types=("cuda",),
         dtypes=(torch.float16, torch.bfloat16),
@@ -486,7 +487,7 @@ class FlashInferBackend(AttentionBackend):
         out = w.run(q.to(pool.dtype).contiguous(), kv)  # [B, Hq, D]
         return out.to(q.dtype)
 
-    def forward_extend(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch, save_kv_cache: bool = True):
+    def forward_extend(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch, save_kv_cache: bool = True, out=None):
         if save_kv_cache:
             self.save_kv(layer, batch, k, v)  # (b) reads the new tokens back from the pool
         if not layer.causal and layer.window_left >= 0:
@@ -496,23 +497,25 @@ class FlashInferBackend(AttentionBackend):
         dtype = pool.dtype
         planned = self._planned(_Kind.of(layer, decode=False), decode=False)
         qc = q.to(dtype).contiguous()
-        out = qc.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))
+        given = out
+        if out is None or out.dtype != dtype or not out.is_contiguous():
+            out = qc.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))
         if not isinstance(planned, tuple):  # design (b)
             kv = (pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id])
             planned.run(qc, kv, out=out)
-            return out.to(q.dtype)
+            return _result(out, given, q.dtype)
         ragged, prefix = planned  # design (a)
         kc, vc = k.to(dtype).contiguous(), v.to(dtype).contiguous()
         if prefix is None:
             ragged.run(qc, kc, vc, out=out)
-            return out.to(q.dtype)
+            return _result(out, given, q.dtype)
         o_new, s_new = ragged.run(qc, kc, vc, return_lse=True)  # [T, Hq, Dv], [T, Hq] log2
         kv = (pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id])
         o_pre, s_pre = prefix.run(qc, kv, return_lse=True)
         merged = merge_states_log2(o_new, s_new, o_pre, s_pre)
         # Requests without a prefix: their prefix part is empty; keep the ragged result.
         out = torch.where(self._meta.has_prefix_tok[:, None, None], merged, o_new)
-        return out.to(q.dtype)
+        return _result(out, given, q.dtype)
 
     def forward_dense(self, q, k, v, layer: AttentionLayer, batch_size: int) -> torch.Tensor:
         if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
@@ -538,6 +541,16 @@ class FlashInferBackend(AttentionBackend):
             )
             self._dense[kind] = (w, shape)
         return w.run(q.contiguous(), k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous())
+
+
+def _result(out: torch.Tensor, given: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The kernel's ``out`` in ``dtype``, copied into the caller's ``given`` buffer unless it
+    already is that buffer."""
+    if given is None:
+        return out.to(dtype)
+    if out is not given:
+        given.copy_(out)
+    return given
 
 
 def merge_states_log2(o_a: torch.Tensor, s_a: torch.Tensor, o_b: torch.Tensor, s_b: torch.Tensor) -> torch.Tensor:

@@ -126,11 +126,13 @@ class HybridBackend(AttentionBackend):
         layer: AttentionLayer,
         batch: ForwardBatch,
         save_kv_cache: bool = True,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         child = self.backend_for(batch.mode)
         if child is None:
-            return q.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))
-        return child.forward(q, k, v, layer, batch, save_kv_cache)
+            res = q.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))
+            return res if out is None else out.copy_(res)
+        return child.forward(q, k, v, layer, batch, save_kv_cache, out=out)
 
     def forward_decode(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch, save_kv_cache: bool = True):
         return self.decode_backend.forward_decode(q, k, v, layer, batch, save_kv_cache)

@@ -184,5 +184,6 @@ class KVPool:
         """Store new K/V: ``k: [T, num_kv_heads, head_dim]`` at slots ``out_cache_loc: [T]``."""
         kb = self.k_buffers[layer_id].view(-1, self.num_kv_heads, self.head_dim)
         vb = self.v_buffers[layer_id].view(-1, self.num_kv_heads, self.v_head_dim)
-        kb[out_cache_loc] = k.to(kb.dtype)
-        vb[out_cache_loc] = v.to(vb.dtype)
+        # index_copy_: one kernel per buffer with less host work than advanced-index assignment
+        kb.index_copy_(0, out_cache_loc, k.to(kb.dtype))
+        vb.index_copy_(0, out_cache_loc, v.to(vb.dtype))
