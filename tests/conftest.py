@@ -1,7 +1,12 @@
 import os
+import tempfile
 
 import pytest
 import torch
+
+# Proofs are cached on disk (`attngraph.compiler.proof_cache`); a test run starts cold and
+# leaves the user's cache alone.
+os.environ.setdefault("ATTNGRAPH_CACHE_DIR", tempfile.mkdtemp(prefix="attngraph-test-cache-"))
 
 if not torch.cuda.is_available():
     # Triton kernels run on the CPU through the interpreter; it must be chosen before the first

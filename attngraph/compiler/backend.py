@@ -21,6 +21,7 @@ from ..passes.site import AttentionSite
 from ..passes.token_mixing import TokenMixingOp, check_token_mixing
 from ..forward_context import ForwardContext, use_forward_context
 from .pipeline import PassPipeline
+from .proof_cache import cached_token_mixing
 from .report import AttentionReport, user_input_names
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,10 @@ class AttnGraphBackend:
     def _token_mixing(self, gm: fx.GraphModule) -> list[TokenMixingOp]:
         if self.mode != "paged" or not self.token_inputs or not self.config.lower_attention:
             return []
-        return check_token_mixing(gm, self.token_inputs, self.row_index_inputs)
+        return cached_token_mixing(
+            gm, self.token_inputs, self.row_index_inputs,
+            lambda: check_token_mixing(gm, self.token_inputs, self.row_index_inputs),
+        )
 
     def _dense_backend(self, sites: list[AttentionSite], device_type: str) -> AttentionBackend | None:
         lowered = [s for s in sites if s.lowered]
