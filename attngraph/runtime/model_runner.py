@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -294,8 +295,16 @@ class ModelRunner:
             return self.piecewise.run(batch, logits_indices)
         backend = self.backend or self._reference  # serves a call that compiles (the sites pick the backend)
         backend.init_forward_metadata(batch)
-        with use_forward_context(ForwardContext(backend, batch)):
+        with use_forward_context(ForwardContext(backend, batch)), self._after_capture():
             return self.ragged(batch.input_ids, batch.positions, logits_indices.to(self.device))
+
+    def _after_capture(self):
+        """Steps above the largest bucket skip Dynamo's guards too once graphs are captured."""
+        if self.piecewise is None:
+            return contextlib.nullcontext()
+        from .piecewise_runner import frozen
+
+        return frozen()
 
     @property
     def num_compilations(self) -> int:

@@ -112,5 +112,14 @@ class PiecewiseGraphRunner:
             pos[n:].zero_()
         backend = self.runner.backend
         backend.init_forward_metadata(batch)
-        with use_forward_context(ForwardContext(backend, batch)), self.state.step(size):
+        with use_forward_context(ForwardContext(backend, batch)), self.state.step(size), frozen():
             return self.runner.ragged(ids, pos, logits_indices.to(self.runner.device))
+
+
+def frozen():
+    """Dynamo's guards are not evaluated again for steps after capture (a few hundred
+    microseconds a step for an HF model, whose parameters are all guarded graph inputs): the
+    compiled graph was checked at `accelerate()` and its pieces captured, like the decode
+    graphs, which replay without Dynamo at all. Only guards that tell two cache entries apart
+    still run (`torch.compiler.set_stance`)."""
+    return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
