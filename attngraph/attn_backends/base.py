@@ -8,6 +8,13 @@ The split of the metadata work follows what CUDA graphs need:
   the host copies of the lengths (``batch.seq_lens_cpu``). Never recorded into a graph.
 * `init_forward_metadata_in_graph(batch)`: static-shape device work only (no ``.item()``,
   ``.cpu()``, ``.tolist()``, no allocation); safe to record into a CUDA graph and replay.
+* Piecewise / breakable graphs (attention eager between the captured pieces): a backend that
+  sets `use_captured_forward_metadata_for_breakable_cuda_graph` creates its metadata once at
+  capture (`init_forward_metadata_for_breakable_cuda_graph_capture`) and refreshes it in place
+  before each replay (`prepare_forward_metadata_for_breakable_cuda_graph_replay`); any other
+  gets `init_forward_metadata` every step.
+* `forward(..., out=)`: the result written into a caller's buffer (the piecewise staging rows);
+  by the kernel itself where `extend_writes_out`.
 
 Layouts: ``q: [T, num_q_heads, head_dim]``, ``k/v: [T, num_kv_heads, head_dim]`` (GQA keeps its
 own KV head count), output ``[T, num_q_heads, v_head_dim]``.
@@ -17,7 +24,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -123,6 +130,13 @@ class AttentionBackend:
     cuda_graph_seq_len_fill_value: ClassVar[int] = 1
     #: True when `forward_extend` takes ``out=`` and its kernel writes the result there (no copy).
     extend_writes_out: ClassVar[bool] = False
+    #: Piecewise / breakable CUDA graphs (attention runs between the captured pieces): True when
+    #: the backend creates its step metadata once, when the runner captures
+    #: (`init_forward_metadata_for_breakable_cuda_graph_capture`), with device buffers at fixed
+    #: addresses, and refreshes it in place before each replay
+    #: (`prepare_forward_metadata_for_breakable_cuda_graph_replay`); False: the runner calls
+    #: `init_forward_metadata` every step and the backend builds fresh metadata.
+    use_captured_forward_metadata_for_breakable_cuda_graph: ClassVar[bool] = False
 
     def __init__(self, spec: ModelAttentionSpec | None = None) -> None:
         self.spec = spec
@@ -141,6 +155,18 @@ class AttentionBackend:
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Preallocate every buffer a captured kernel reads (indptr, indices, split buffers)."""
+
+    def init_forward_metadata_for_breakable_cuda_graph_capture(self, batch: "ForwardBatch") -> Any:
+        """Create the metadata the piecewise / breakable graphs are captured with, for the
+        capture's dummy ``batch``, and make it this step's; returns it (an object the runner
+        hands back to `prepare_forward_metadata_for_breakable_cuda_graph_replay`). Only for
+        backends that set `use_captured_forward_metadata_for_breakable_cuda_graph`."""
+        raise NotImplementedError(f"{type(self).__name__} builds fresh metadata every step")
+
+    def prepare_forward_metadata_for_breakable_cuda_graph_replay(self, capture_metadata: Any, batch: "ForwardBatch") -> None:
+        """Refresh ``capture_metadata`` in place for ``batch`` (same buffers, new contents) and
+        make it this step's, before the runner replays the pieces around attention."""
+        raise NotImplementedError(f"{type(self).__name__} builds fresh metadata every step")
 
     def set_layer_kinds(self, layers: "list[AttentionLayer]") -> None:
         """The model's attention layers, known once the model is traced (for per-kind planning)."""

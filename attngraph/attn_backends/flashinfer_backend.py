@@ -170,9 +170,34 @@ class _StepMeta:
     ragged: bool = False  # extend through the ragged wrapper (design (a)) this step
 
 
+@dataclasses.dataclass
+class _StepBuffers:
+    """Device metadata buffers reused by every piecewise / breakable step (see
+    `FlashInferBackend.init_forward_metadata_for_breakable_cuda_graph_capture`)."""
+
+    kv_indptr: torch.Tensor  # [R + 1] int32
+    kv_indices: torch.Tensor  # [P] int32
+    kv_last: torch.Tensor  # [R] int32
+
+    @classmethod
+    def allocate(cls, rows: int, pages: int, device: torch.device) -> "_StepBuffers":
+        return cls(
+            torch.zeros(rows + 1, dtype=torch.int32, device=device),
+            torch.zeros(max(pages, 1), dtype=torch.int32, device=device),
+            torch.ones(rows, dtype=torch.int32, device=device),
+        )
+
+    def fits(self, bs: int, total_pages: int) -> bool:
+        return bs <= self.kv_last.numel() and total_pages <= self.kv_indices.numel()
+
+    def views(self, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.kv_indptr[: bs + 1], self.kv_indices, self.kv_last[:bs]
+
+
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
     extend_writes_out = True
+    use_captured_forward_metadata_for_breakable_cuda_graph = True
     capabilities = BackendCapabilities(
         device_types=("cuda",),
         dtypes=(torch.float16, torch.bfloat16),
@@ -234,6 +259,8 @@ class FlashInferBackend(AttentionBackend):
         self._g_indices: torch.Tensor | None = None  # [max_bs * max_pages_per_req] int32, lazily
         self._g_int_ws: dict[_Kind, torch.Tensor] = {}
         self._g_decode: dict[int, dict[_Kind, object]] = {}  # bs -> kind -> wrapper
+        # Piecewise / breakable steps: the step buffers made at capture, refreshed in place.
+        self._step_buffers: _StepBuffers | None = None
 
     # ------------------------------------------------------------------ kinds
     def set_layer_kinds(self, layers: Iterable[AttentionLayer]) -> None:
@@ -329,6 +356,8 @@ class FlashInferBackend(AttentionBackend):
             if total > self._g_indices.numel():
                 raise CaptureError(f"{total} KV pages exceed the graph buffer ({self._g_indices.numel()})")
             kv_indptr, kv_indices, kv_last = self._g_indptr[: bs + 1], self._g_indices, self._g_last[:bs]
+        elif self._step_buffers is not None and self._step_buffers.fits(bs, total):
+            kv_indptr, kv_indices, kv_last = self._step_buffers.views(bs)
         else:
             kv_indptr = torch.empty(bs + 1, dtype=torch.int32, device=device)
             kv_indices = torch.empty(max(total, 1), dtype=torch.int32, device=device)
@@ -347,6 +376,25 @@ class FlashInferBackend(AttentionBackend):
         for kind, kind_decode in list(self._kinds):
             if kind_decode == decode:
                 self._plan(meta, kind)
+
+    def init_forward_metadata_for_breakable_cuda_graph_capture(self, batch: ForwardBatch) -> "_StepBuffers":
+        """Step buffers for the piecewise / breakable steps: ``kv_indptr [R + 1]``,
+        ``kv_last_page_len [R]`` and ``kv_indices [P]`` int32 at fixed addresses (R: the pool's
+        request rows, P: its pages, at least what the capture's dummy ``batch`` needs); this
+        step is planned on them. A later step too large for them gets fresh ones."""
+        pool = batch.kv_pool
+        _, _, total = host_paged_kv_lengths(batch.seq_lens_cpu, pool.page_size)
+        buffers = _StepBuffers.allocate(max(pool.max_requests, batch.batch_size), max(pool.num_pages, total), pool.device)
+        self.prepare_forward_metadata_for_breakable_cuda_graph_replay(buffers, batch)
+        return buffers
+
+    def prepare_forward_metadata_for_breakable_cuda_graph_replay(self, capture_metadata: "_StepBuffers", batch: ForwardBatch) -> None:
+        """Plan ``batch`` with its device metadata written into ``capture_metadata``'s buffers."""
+        self._step_buffers = capture_metadata
+        try:
+            self.init_forward_metadata(batch)
+        finally:
+            self._step_buffers = None
 
     def _init_prefix_meta(self, meta: _StepMeta, batch: ForwardBatch) -> None:
         """Design (a): paged metadata of the cached prefixes alone."""

@@ -146,6 +146,17 @@ class TritonBackend(AttentionBackend):
         """Nothing to refresh: the kernels read ``seq_lens``, ``req_pool_indices`` and the page
         table straight from the batch's device tensors."""
 
+    use_captured_forward_metadata_for_breakable_cuda_graph = True
+
+    def init_forward_metadata_for_breakable_cuda_graph_capture(self, batch: "ForwardBatch") -> "TritonBackend":
+        """Nothing to allocate: the kernels read the batch's own device tensors, and the one
+        host value (the longest new-token run) is refreshed per step."""
+        self.init_forward_metadata(batch)
+        return self
+
+    def prepare_forward_metadata_for_breakable_cuda_graph_replay(self, capture_metadata, batch: "ForwardBatch") -> None:
+        self.init_forward_metadata(batch)
+
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Allocate decode's split buffers once for every batch size up to ``max_bs``.
 

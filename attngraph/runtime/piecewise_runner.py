@@ -38,6 +38,10 @@ class PiecewiseGraphRunner:
         self.max_tokens = self.sizes[-1]
         device = runner.device
         state.max_tokens = max(state.max_tokens, self.max_tokens)
+        # The backend's metadata made at capture and refreshed before each replay, when it
+        # opts in (`use_captured_forward_metadata_for_breakable_cuda_graph`); else None and
+        # the backend builds fresh metadata every step.
+        self.captured_metadata = None
         self.input_ids = torch.zeros(self.max_tokens, dtype=torch.long, device=device)
         self.positions = torch.zeros(self.max_tokens, dtype=torch.long, device=device)
 
@@ -82,7 +86,7 @@ class PiecewiseGraphRunner:
                 progress.set_postfix_str(f"piecewise {n} tokens")
             batch = self._dummy_batch(n)
             last = (batch.qo_indptr[1:] - 1).long()
-            backend.init_forward_metadata(batch)
+            self._metadata(batch, capture=True)
             with use_forward_context(ForwardContext(backend, batch)):
                 with state.step(None):  # warm-up: per-size kernels compiled outside the capture
                     self.runner.ragged(batch.input_ids, batch.positions, last)
@@ -92,6 +96,17 @@ class PiecewiseGraphRunner:
             torch.cuda.synchronize()
             if progress is not None:
                 progress.update(1)
+
+    def _metadata(self, batch: ForwardBatch, capture: bool = False):
+        """Prepare the backend's metadata for ``batch`` (see ``captured_metadata``); returns the backend."""
+        backend = self.runner.backend
+        if not backend.use_captured_forward_metadata_for_breakable_cuda_graph:
+            backend.init_forward_metadata(batch)
+        elif capture and self.captured_metadata is None:
+            self.captured_metadata = backend.init_forward_metadata_for_breakable_cuda_graph_capture(batch)
+        else:
+            backend.prepare_forward_metadata_for_breakable_cuda_graph_replay(self.captured_metadata, batch)
+        return backend
 
     # ------------------------------------------------------------------ replay
     def can_run(self, batch: ForwardBatch) -> bool:
@@ -110,8 +125,7 @@ class PiecewiseGraphRunner:
         if n < size:
             ids[n:].zero_()
             pos[n:].zero_()
-        backend = self.runner.backend
-        backend.init_forward_metadata(batch)
+        backend = self._metadata(batch)
         with use_forward_context(ForwardContext(backend, batch)), self.state.step(size), frozen():
             return self.runner.ragged(ids, pos, logits_indices.to(self.runner.device))
 

@@ -72,6 +72,11 @@ def test_graph_mode_matches_hf_eager(mode, arch, backend):
     assert_bf16_close(got[valid], want[valid])
     if runner.piecewise is not None:
         assert runner.piecewise.state.replays > replays, "the prefill did not replay the piecewise graphs"
+        # Both backends opt in: the metadata made at capture is refreshed, not rebuilt.
+        captured = runner.piecewise.captured_metadata
+        assert captured is not None
+        if backend == "flashinfer":
+            assert runner.backend._meta.kv_indices.data_ptr() == captured.kv_indices.data_ptr()
 
     new = 48
     out = model.generate(
