@@ -70,6 +70,9 @@ class CompileConfig:
         Set False to run the passes for reporting only (nothing rewritten).
     deterministic:
         Fixed split counts and reduction order, so repeated runs give bit-identical results.
+    fuse_linears:
+        Paged runtime: linears reading the same input (q/k/v, gate/up) run as one GEMM on
+        their concatenated weights (`passes.fuse_linears`; the parameters become views of it).
     debug_dump_dir:
         Folder for FX graph dumps before/after each pass. The environment variable
         ``ATTNGRAPH_DEBUG=1`` turns dumps on with a temporary folder named in the log.
@@ -95,6 +98,7 @@ class CompileConfig:
     piece_compiler: str = "auto"
     lower_attention: bool = True
     deterministic: bool = False
+    fuse_linears: bool = True
     debug_dump_dir: str | None = None
 
     def __post_init__(self) -> None:

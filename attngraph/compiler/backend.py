@@ -18,6 +18,7 @@ from ..config import CompileConfig
 from ..errors import ConfigError
 from ..passes import fx_utils as fu
 from ..passes.site import AttentionSite
+from ..passes.fuse_linears import fuse_linears
 from ..passes.token_mixing import TokenMixingOp, check_token_mixing
 from ..forward_context import ForwardContext, use_forward_context
 from .pipeline import PassPipeline
@@ -69,6 +70,7 @@ class AttnGraphBackend:
         self.token_inputs = tuple(token_inputs)
         self.row_index_inputs = tuple(row_index_inputs)
         self.compile_hook = compile_hook
+        self.fused_linears: list = []  # a passes.fuse_linears.FuseResult per paged graph
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         input_names = user_input_names(gm)  # read before the passes rewrite the graph
@@ -79,11 +81,19 @@ class AttnGraphBackend:
         if self.on_sites is not None:
             self.on_sites(sites)
         device_type = _device_type(sites, example_inputs)
-        if self.mode == "paged" and self.compile_hook is not None:
-            return self.compile_hook(gm, example_inputs, input_names)
-        compiled = compile_graph(gm, example_inputs, self.config.resolved_piece_compiler(device_type))
         if self.mode == "paged":
-            return compiled
+            gm, extra = self._fuse_linears(gm, example_inputs)
+            inputs = list(example_inputs) + extra
+            if self.compile_hook is not None:
+                compiled = self.compile_hook(gm, inputs, input_names)
+            else:
+                compiled = compile_graph(gm, inputs, self.config.resolved_piece_compiler(device_type))
+            for fused in self.fused_linears[-1:] if extra else ():
+                fused.share_storage()
+            if not extra:
+                return compiled
+            return lambda *args: compiled(*args, *extra)  # the fused weights follow Dynamo's inputs
+        compiled = compile_graph(gm, example_inputs, self.config.resolved_piece_compiler(device_type))
         backend = self._dense_backend(sites, device_type)
 
         def run(*args: Any) -> Any:
@@ -91,6 +101,19 @@ class AttnGraphBackend:
                 return compiled(*args)
 
         return run
+
+    def _fuse_linears(self, gm: fx.GraphModule, example_inputs: list[Any]) -> tuple[fx.GraphModule, list[torch.Tensor]]:
+        """Paged mode: fuse the linears that share an input, on a copy of the graph (Dynamo
+        keeps reading the placeholders of its own). Returns the graph to compile and the fused
+        weights, to be passed after Dynamo's inputs on every call."""
+        if not (self.config.fuse_linears and self.config.lower_attention):
+            return gm, []
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(gm.graph, {}))
+        copy = fx.GraphModule(gm, graph)
+        result = fuse_linears(copy, example_inputs)
+        self.fused_linears.append(result)
+        return (copy, result.extra_inputs) if result.groups else (gm, [])
 
     def _token_mixing(self, gm: fx.GraphModule) -> list[TokenMixingOp]:
         if self.mode != "paged" or not self.token_inputs or not self.config.lower_attention:

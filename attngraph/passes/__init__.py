@@ -4,10 +4,12 @@
 >>> lower_attention(gm, sites)          # rewrite lowerable sites to torch.ops.attngraph.attention
 >>> cleanup(gm)                         # drop the dead mask / repeat_kv code
 >>> check_token_mixing(gm)              # ragged graphs: ops besides attention that mix tokens
+>>> fuse_linears(gm, real_inputs)       # q/k/v, gate/up: one GEMM on concatenated weights
 """
 
 from .cleanup import cleanup
 from .find_attention import find_attention
+from .fuse_linears import FuseResult, fuse_linears
 from .lower_attention import ATTENTION_OP, lower_attention
 from .mask_analysis import MaskPattern, NotProvable, analyze_mask
 from .site import AttentionSite
@@ -23,5 +25,7 @@ __all__ = [
     "analyze_mask",
     "cleanup",
     "find_attention",
+    "FuseResult",
+    "fuse_linears",
     "lower_attention",
 ]

@@ -241,9 +241,15 @@ def build_piecewise(
     from torch._dispatch.python import enable_python_dispatcher
     from torch._subclasses.fake_tensor import FakeTensor
 
+    # Only the token inputs carry the symbolic token count (Dynamo's own fakes of them, from
+    # its memo); every other real input (weights, the fused weights appended by the compiler)
+    # is static.
+    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+    dynamic = {i for i, n in enumerate(placeholders) if _is_named(n, input_names, TOKEN_INPUTS + ROW_INDEX_INPUTS)}
     fake_args = [
-        fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x
-        for x in example_inputs
+        fake_mode.from_tensor(x, static_shapes=i not in dynamic)
+        if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x
+        for i, x in enumerate(example_inputs)
     ]
     token_symbols = _token_symbols(module, fake_args, input_names)
     with fake_mode, enable_python_dispatcher():
@@ -289,14 +295,19 @@ def free_symbols(values: Any) -> set:
     return found
 
 
+def _is_named(node: fx.Node, input_names: dict[str, str], names: tuple[str, ...]) -> bool:
+    """Whether placeholder ``node`` is one of the user's inputs ``names``."""
+    wanted = set(names) | {f"l_{name}_" for name in names}
+    return input_names.get(node.name, node.name) in wanted or node.name in wanted
+
+
 def _token_symbols(module: fx.GraphModule, fake_args: list[Any], input_names: dict[str, str]) -> set:
     """Symbols of the token count: those in the sizes of the token inputs (``input_ids``,
     ``position_ids``)."""
     placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
-    wanted = set(TOKEN_INPUTS) | {f"l_{name}_" for name in TOKEN_INPUTS}
     found: set = set()
     for node, value in zip(placeholders, fake_args):
-        if input_names.get(node.name, node.name) in wanted or node.name in wanted:
+        if _is_named(node, input_names, TOKEN_INPUTS):
             found |= free_symbols([value])
     return found
 
