@@ -83,7 +83,8 @@ class AttnGraphBackend:
         device_type = _device_type(sites, example_inputs)
         if self.mode == "paged":
             gm, extra = self._fuse_linears(gm, example_inputs)
-            inputs = list(example_inputs) + extra
+            fakes = self.fused_linears[-1].extra_fakes if extra else []
+            inputs = list(example_inputs) + (fakes if len(fakes) == len(extra) else extra)
             if self.compile_hook is not None:
                 compiled = self.compile_hook(gm, inputs, input_names)
             else:

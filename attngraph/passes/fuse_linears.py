@@ -42,6 +42,10 @@ class FuseResult:
     groups: list[tuple[str, ...]] = field(default_factory=list)
     refused: list[tuple[tuple[str, ...], str]] = field(default_factory=list)
     extra_inputs: list[torch.Tensor] = field(default_factory=list)
+    #: Static fake tensors of ``extra_inputs`` in the graph's fake mode (the new placeholders'
+    #: ``example_value``), for compilers given example inputs: a real tensor unknown to Dynamo
+    #: would be faked with symbolic sizes that no guard source backs. Empty without a fake mode.
+    extra_fakes: list[torch.Tensor] = field(default_factory=list)
     # (parameters, their concatenation) waiting for `share_storage`
     pending: list[tuple[list[torch.nn.Parameter], torch.Tensor]] = field(default_factory=list)
 
@@ -115,6 +119,7 @@ def fuse_linears(gm: fx.GraphModule, example_inputs: list[Any]) -> FuseResult:
                 ph = gm.graph.placeholder(f"fused_linear_{len(result.groups)}_{'weight' if k == 0 else 'bias'}")
             if fake_mode is not None:
                 ph.meta["example_value"] = fake_mode.from_tensor(t, static_shapes=True)
+                result.extra_fakes.append(ph.meta["example_value"])
             last_placeholder = ph
             nodes.append(ph)
         first = min(members, key=_position(gm))
@@ -174,8 +179,12 @@ def _group_refusal(members: list[fx.Node], real: dict[fx.Node, Any]) -> str | No
 
 
 def _fake_mode(placeholders: list[fx.Node]):
+    """The compile's fake mode (the tracing context's, under Dynamo), else the placeholders'."""
     from torch._subclasses.fake_tensor import FakeTensor
 
+    active = torch._guards.detect_fake_mode()
+    if active is not None:
+        return active
     for ph in placeholders:
         value = ph.meta.get("example_value")
         if isinstance(value, FakeTensor):
