@@ -77,6 +77,7 @@ def main() -> None:
     p.add_argument("--backend", default="flashinfer")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--profile-setup", action="store_true", help="run accelerate() under cProfile")
+    p.add_argument("--no-fuse", action="store_true", help="CompileConfig.fuse_linears=False")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -93,12 +94,13 @@ def main() -> None:
             llama_1b(16), dtype=torch.bfloat16, attn_implementation="sdpa"
         ).eval()
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved()
     setup_prof = cProfile.Profile() if args.profile_setup else None
     t0 = time.perf_counter()
     if setup_prof:
         setup_prof.enable()
-    attngraph.accelerate(model, cuda_graph=args.mode, attention_backend=args.backend)
+    attngraph.accelerate(model, cuda_graph=args.mode, attention_backend=args.backend, fuse_linears=not args.no_fuse)
     torch.cuda.synchronize()
     if setup_prof:
         setup_prof.disable()
@@ -119,7 +121,7 @@ def main() -> None:
     print(table, flush=True)
     print(host_profile(step, args.iters), flush=True)
 
-    row = dict(tokens=args.tokens, mode=args.mode, accelerate_s=accelerate_s, step_ms=step_ms, gpu_ms=gpu_ms,
+    row = dict(tokens=args.tokens, mode=args.mode, fuse_linears=not args.no_fuse, accelerate_s=accelerate_s, step_ms=step_ms, gpu_ms=gpu_ms,
                held_beyond_kv_pool_GiB=held / 2**30)
     state = runner._piecewise_state
     if state is not None and state.pieces and runner.piecewise is not None:
