@@ -48,6 +48,7 @@ class FuseResult:
     extra_fakes: list[torch.Tensor] = field(default_factory=list)
     # (parameters, their concatenation) waiting for `share_storage`
     pending: list[tuple[list[torch.nn.Parameter], torch.Tensor]] = field(default_factory=list)
+    shared: list[torch.nn.Parameter] = field(default_factory=list)  # views since `share_storage`
 
     def share_storage(self) -> None:
         """Make each fused parameter a view of its rows of the concatenated tensor, dropping
@@ -59,7 +60,18 @@ class FuseResult:
                 for p in params:
                     p.data = fused[offset : offset + p.shape[0]]
                     offset += p.shape[0]
+                self.shared.extend(params)
         self.pending.clear()
+
+    def unshare_storage(self) -> None:
+        """Give every fused parameter its own storage again (a copy of its rows) and drop the
+        concatenations: the model as it was before the pass (`save_pretrained` refuses
+        parameters that share memory). The fused graph must not run afterwards."""
+        with torch.no_grad():
+            for p in self.shared:
+                p.data = p.data.clone()
+        self.shared.clear()
+        self.extra_inputs.clear()
 
 
 def _linear_parts(node: fx.Node) -> tuple[fx.Node, fx.Node, Any] | None:

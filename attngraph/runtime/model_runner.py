@@ -322,7 +322,7 @@ class ModelRunner:
         self.ragged.backend.on_sites = None
         self.ragged.backend.graphs.clear()
         self.ragged.backend.sites.clear()
-        for fused in self.ragged.backend.fused_linears:  # the compiled callable's extra inputs
-            fused.extra_inputs.clear()  # (the model's parameters still hold the fused weights)
+        for fused in self.ragged.backend.fused_linears:  # parameters of their own again; the
+            fused.unshare_storage()  # compiled callable's fused weights dropped
         if self._pool is not None:
             self._pool.release()

@@ -71,6 +71,11 @@ def test_qkv_and_gate_up_become_one_gemm_each_with_the_same_outputs(arch):
         eager = model(input_ids=ids).logits  # the model itself, on the views
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(eager, want, rtol=1e-5, atol=1e-5)
+    result.unshare_storage()  # as `attngraph.restore` does: own storage per parameter again
+    ptrs = [p.untyped_storage().data_ptr() for p in model.parameters()]
+    assert len(set(ptrs)) == len(ptrs) and not result.extra_inputs
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
 
 
 class Toy(nn.Module):
@@ -127,6 +132,9 @@ def test_paged_runtime_fused_and_unfused_give_the_same_logits(arch):
         logits.append(runner.forward(ForwardBatch.build(pool, [row], [13], [1], ids[:1])))
         groups = sum(len(r.groups) for r in runner.ragged.backend.fused_linears)
         assert groups == (4 if fuse else 0)
+        runner.release()  # what attngraph.restore does
+        ptrs = [p.untyped_storage().data_ptr() for p in model.parameters()]
+        assert len(set(ptrs)) == len(ptrs), "a parameter still shares the fused storage after release"
     for a, b in ((logits[0], logits[2]), (logits[1], logits[3])):
         assert a.abs().max() > 0
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
