@@ -122,6 +122,9 @@ class CompileConfig:
             if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
                 raise ConfigError(f"{fname} must be positive ints, got {sizes!r}")
             object.__setattr__(self, fname, tuple(sorted(set(sizes))))
+        for fname in ("lower_attention", "deterministic", "fuse_linears"):
+            if not isinstance(getattr(self, fname), bool):  # "no" would read as True
+                raise ConfigError(f"{fname} must be True or False, got {getattr(self, fname)!r}")
         _check_int(self.page_size, "page_size", 1)
         _check_int(self.max_requests, "max_requests", 1)
         if self.max_context_len is not None:

@@ -125,13 +125,12 @@ def main() -> None:
                held_beyond_kv_pool_GiB=held / 2**30)
     state = runner._piecewise_state
     if state is not None and state.pieces and runner.piecewise is not None:
-        fb_step = step  # the batch is planned by the step itself; time the plan alone on it
         bucket = runner.piecewise.bucket(args.tokens) if args.tokens <= runner.piecewise.max_tokens else None
         entry = state.pieces[1].entries.get(bucket) if bucket else None
         if entry is not None:
             row["replay_ms"] = per_call_ms(entry.graph.replay, 200, warmup=5)
         row["replays_per_step"] = len([p for p in state.pieces if p.entries.get(bucket)]) if bucket else 0
-        del fb_step
+    # The plan alone, on the step's own batch (caught on its way to the backend).
     batch_holder = {}
     orig = runner.backend.init_forward_metadata
 

@@ -26,6 +26,9 @@ def test_defaults_are_valid_and_frozen():
         (dict(kv_memory_fraction=1.5), "kv_memory_fraction"),
         (dict(cuda_graph_capture_sizes=(0, 2)), "capture_sizes"),
         (dict(max_requests=0), "max_requests"),
+        (dict(fuse_linears="no"), "fuse_linears must be True or False"),
+        (dict(deterministic=1), "deterministic"),
+        (dict(lower_attention=None), "lower_attention"),
     ],
 )
 def test_bad_values_raise_at_construction(kwargs, needle):

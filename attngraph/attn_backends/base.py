@@ -191,6 +191,15 @@ class AttentionBackend:
         """
         from ..forward_batch import ForwardMode
 
+        if out is not None:
+            want = (q.shape[0], layer.num_q_heads, layer.v_head_dim)
+            if tuple(out.shape) != want or out.device != q.device:
+                from ..errors import InputError
+
+                raise InputError(
+                    f"out= must be a {list(want)} tensor on {q.device} (the new tokens' attention output), "
+                    f"got {list(out.shape)} on {out.device}"
+                )
         if batch.mode is ForwardMode.IDLE:
             res = q.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))
         elif batch.mode is ForwardMode.DECODE:

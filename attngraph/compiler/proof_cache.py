@@ -18,6 +18,7 @@ Location: ``$ATTNGRAPH_CACHE_DIR/token_mixing`` (default ``$XDG_CACHE_HOME/attng
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -51,6 +52,7 @@ def cache_root() -> Path | None:
     return Path(base) / "attngraph"
 
 
+@functools.lru_cache(maxsize=1)
 def _analysis_source_hash() -> str:
     h = hashlib.sha256()
     for module in (token_mixing, aten_graph, fu):

@@ -99,6 +99,7 @@ def fuse_linears(gm: fx.GraphModule, example_inputs: list[Any]) -> FuseResult:
             by_input.setdefault(parts[0], []).append(node)
     last_placeholder = placeholders[-1] if placeholders else None
     fake_mode = _fake_mode(placeholders)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}  # of the linears, which stay put until fused
     for x, members in by_input.items():
         if len(members) < 2:
             continue
@@ -134,7 +135,7 @@ def fuse_linears(gm: fx.GraphModule, example_inputs: list[Any]) -> FuseResult:
                 result.extra_fakes.append(ph.meta["example_value"])
             last_placeholder = ph
             nodes.append(ph)
-        first = min(members, key=_position(gm))
+        first = min(members, key=order.__getitem__)
         with gm.graph.inserting_before(first):
             fused = gm.graph.call_function(members[0].target, (x, nodes[0], nodes[1] if len(nodes) > 1 else None))
         offset = 0
@@ -156,11 +157,6 @@ def fuse_linears(gm: fx.GraphModule, example_inputs: list[Any]) -> FuseResult:
     for names, reason in result.refused:
         logger.info("fuse_linears: %s left unfused: %s", ", ".join(names), reason)
     return result
-
-
-def _position(gm: fx.GraphModule):
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    return lambda n: order[n]
 
 
 def _member_refusal(m: fx.Node, real: dict[fx.Node, Any]) -> str | None:

@@ -16,6 +16,7 @@ from ..passes.site import AttentionSite
 from ..forward_batch import ForwardBatch
 from ..forward_context import ForwardContext, use_forward_context
 from .kv_pool import KVPool
+from .piecewise_runner import frozen
 from .ragged_model import MIN_TOKENS, RaggedModel
 
 logger = logging.getLogger(__name__)
@@ -300,11 +301,7 @@ class ModelRunner:
 
     def _after_capture(self):
         """Steps above the largest bucket skip Dynamo's guards too once graphs are captured."""
-        if self.piecewise is None:
-            return contextlib.nullcontext()
-        from .piecewise_runner import frozen
-
-        return frozen()
+        return contextlib.nullcontext() if self.piecewise is None else frozen()
 
     @property
     def num_compilations(self) -> int:

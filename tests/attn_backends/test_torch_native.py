@@ -318,3 +318,23 @@ def test_idle_batch():
     layer = make_layer(4, 2, 8, 6)
     out = TorchNativeBackend().forward(torch.zeros(0, 4, 8), torch.zeros(0, 2, 8), torch.zeros(0, 2, 6), layer, batch)
     assert out.shape == (0, 4, 6)
+
+
+def test_forward_into_a_caller_buffer_and_a_wrong_buffer_is_refused_before_any_write():
+    """``forward(out=)``: the result lands in the caller's (poisoned) buffer; a buffer of the
+    wrong shape is an InputError raised before the K/V are written."""
+    from attngraph.errors import InputError
+
+    seed = 901
+    prefix, extend = _random_lens(random.Random(seed), 3, 4, decode=False)
+    s = PagedSetup(4, prefix, extend, hq=4, hkv=2, d=8, dv=6, seed=seed)
+    layer = make_layer(4, 2, 8, 6, layer_id=s.layer_id)
+    q, k, v = s.new_tokens()
+    snap = [b.clone() for b in s.pool.k_buffers + s.pool.v_buffers]
+    with pytest.raises(InputError, match="out= must be"):
+        TorchNativeBackend().forward(q, k, v, layer, s.batch(), out=q.new_zeros(q.shape[0], 4, 8))
+    assert all(torch.equal(a, b) for a, b in zip(snap, s.pool.k_buffers + s.pool.v_buffers))
+    out = torch.full((q.shape[0], 4, 6), float("nan"), dtype=q.dtype)
+    got = TorchNativeBackend().forward(q, k, v, layer, s.batch(), out=out)
+    assert got is out and not out.isnan().any()
+    s.check_outputs(out, layer)
