@@ -56,6 +56,9 @@ class ForwardBatch:
     out_cache_loc: ``[T]`` int64, device; KV slot of each new token,
         ``slot = page * page_size + offset`` into the pool's flattened ``[num_pages * page_size]``.
     kv_pool: the `KVPool` holding K/V of every layer and the request-to-page table.
+    static_max_extend_len: set on the static batch of a captured extend graph: an upper bound
+        on every request's new tokens that stays fixed for the graph's life (its token count),
+        by which kernels size grids that would otherwise follow ``max_extend_len``.
     """
 
     mode: ForwardMode
@@ -71,6 +74,7 @@ class ForwardBatch:
     qo_indptr: torch.Tensor
     out_cache_loc: torch.Tensor
     kv_pool: "KVPool"
+    static_max_extend_len: int | None = None
 
     @property
     def batch_size(self) -> int:

@@ -102,7 +102,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", choices=["1b", "8b"], default="1b")
     p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--backend", default="flashinfer")
+    p.add_argument("--backend", default="flashinfer", help="attention backend(s), comma-separated: each mode runs with each")
+    p.add_argument("--num-tokens", default=None, help="cuda_graph_num_tokens, comma-separated (default: the config's)")
     p.add_argument("--setup-only", action="store_true", help="only accelerate() with the default config: time and memory")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -113,14 +114,19 @@ def main() -> None:
     with torch.device("cuda"):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
     modes = [m for m in args.modes.split(",") if m]
+    backends = [b for b in args.backend.split(",") if b]
+    extra = {}
+    if args.num_tokens:
+        extra["cuda_graph_num_tokens"] = tuple(int(x) for x in args.num_tokens.split(","))
+    runs = [(m, b) for m in modes for b in backends]
     result = dict(
         model=f"Llama-{args.shape.upper()}-shaped, bf16, random weights", device=torch.cuda.get_device_name(),
         torch=torch.__version__, transformers=transformers.__version__, backend=args.backend, rows=[],
     )
     if args.setup_only:
-        for mode in modes:
-            seconds, held = setup(model, mode, attention_backend=args.backend)
-            row = dict(mode=mode, accelerate_s=seconds, held_beyond_kv_pool_GiB=held / 2**30)
+        for mode, backend in runs:
+            seconds, held = setup(model, mode, attention_backend=backend, **extra)
+            row = dict(mode=mode, backend=backend, accelerate_s=seconds, held_beyond_kv_pool_GiB=held / 2**30)
             result["rows"].append(row)
             print(row, flush=True)
             attngraph.restore(model)
@@ -146,12 +152,13 @@ def main() -> None:
             rows.append(dict(impl="HF eager (sdpa)", batch=b, tokens=n, prefill_ms=t, floor_ms=floor_ms(b * n, b)))
             print(rows[-1], flush=True)
     prompt = torch.randint(3, cfg.vocab_size, (1, 128), device="cuda")
-    for mode in modes:
+    for mode, backend in runs:
+        impl = f"attngraph {mode}" if len(backends) == 1 else f"attngraph {mode} ({backend})"
         m = copy.deepcopy(model)
         try:
-            seconds, held = setup(m, mode, attention_backend=args.backend, kv_cache_tokens=1 << 16, max_context_len=8192)
+            seconds, held = setup(m, mode, attention_backend=backend, kv_cache_tokens=1 << 16, max_context_len=8192, **extra)
         except Exception as exc:
-            rows.append(dict(impl=f"attngraph {mode}", error=f"{type(exc).__name__}: {exc}"[:500]))
+            rows.append(dict(impl=impl, error=f"{type(exc).__name__}: {exc}"[:500]))
             print(rows[-1], flush=True)
             continue
         runner = state_of(m).runner
@@ -161,13 +168,13 @@ def main() -> None:
                 step, free = prefill_step(runner, b, n, cfg.vocab_size)
                 t = per_call_ms(step, 10)
                 free()
-                rows.append(dict(impl=f"attngraph {mode}", batch=b, tokens=n, prefill_ms=t, floor_ms=floor_ms(b * n, b)))
+                rows.append(dict(impl=impl, batch=b, tokens=n, prefill_ms=t, floor_ms=floor_ms(b * n, b)))
                 print(rows[-1], flush=True)
             kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
             ttft = per_call_ms(lambda: m.generate(prompt, max_new_tokens=1, **kw), 10)
             gen = per_call_ms(lambda: m.generate(prompt, max_new_tokens=65, **kw), 3)
         rows.append(dict(
-            impl=f"attngraph {mode}", ttft_ms_1x128=ttft, decode_ms_batch1=(gen - ttft) / 64, accelerate_s=seconds,
+            impl=impl, ttft_ms_1x128=ttft, decode_ms_batch1=(gen - ttft) / 64, accelerate_s=seconds,
             held_beyond_kv_pool_GiB=held / 2**30, compilations_after_accelerate=runner.num_compilations - compiles,
             decode_floor_ms=weight_bytes / bw * 1e3,
         ))  # fmt: skip

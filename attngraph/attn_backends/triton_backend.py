@@ -7,8 +7,10 @@
   function of the (padded, static) batch size.
 * EXTEND / MIXED: the new K/V are appended to the pool first, then `extend_attention_fwd`
   runs one online softmax over each request's keys ``0..seq_len-1`` read back from the pool.
-  Its grid depends on the longest new-token run, so it runs eagerly between captured pieces
-  (`GraphSupport.PIECEWISE`).
+  Its grid follows the longest new-token run; in a captured extend graph it follows the
+  graph's token count instead (``ForwardBatch.static_max_extend_len``), and programs past a
+  request's new tokens return at once, so whole prefill steps are captured too
+  (`GraphSupport.FULL`).
 * Dense (stateless) form: `dense_attention_fwd`, the extend kernel over contiguous K/V.
 
 Devices: CUDA; and the CPU in Triton's interpreter when ``TRITON_INTERPRET=1`` was set before
@@ -91,7 +93,7 @@ class TritonBackend(AttentionBackend):
         dtypes=(torch.float16, torch.bfloat16, torch.float32),
         head_dims=SUPPORTED_HEAD_DIMS,
         page_sizes=None,
-        graph_support={"decode": GraphSupport.FULL, "extend": GraphSupport.PIECEWISE},
+        graph_support={"decode": GraphSupport.FULL, "extend": GraphSupport.FULL},
     )
 
     def __init__(
@@ -137,9 +139,10 @@ class TritonBackend(AttentionBackend):
         return max(1, min(self.max_kv_splits, -(-target // per_split)))
 
     def init_forward_metadata_out_graph(self, batch: "ForwardBatch", in_capture: bool = False) -> None:
-        """Host side: remember the longest new-token run (extend's grid) from the host copy."""
+        """Host side: remember the longest new-token run (extend's grid) from the host copy,
+        or the captured graph's fixed bound."""
         self._step_batch = batch
-        self._step_max_extend_len = batch.max_extend_len
+        self._step_max_extend_len = batch.static_max_extend_len or batch.max_extend_len
         self._step_partials.clear()
 
     def init_forward_metadata_in_graph(self, batch: "ForwardBatch") -> None:
@@ -231,7 +234,10 @@ class TritonBackend(AttentionBackend):
         kb = pool.k_buffers[layer.layer_id].view(-1, pool.num_kv_heads, pool.head_dim)
         vb = pool.v_buffers[layer.layer_id].view(-1, pool.num_kv_heads, pool.v_head_dim)
         out = q.new_empty((q.shape[0], layer.num_q_heads, pool.v_head_dim))
-        max_ext = self._step_max_extend_len if self._step_batch is batch else batch.max_extend_len
+        if self._step_batch is batch:
+            max_ext = self._step_max_extend_len
+        else:
+            max_ext = batch.static_max_extend_len or batch.max_extend_len
         return extend_attention_fwd(
             _last_dim_contiguous(q), kb, vb, out, pool.req_to_page, batch.req_pool_indices, batch.seq_lens,
             batch.qo_indptr, max_ext, page_size=pool.page_size, scale=layer.scale, causal=layer.causal,

@@ -104,6 +104,7 @@ class ModelRunner:
         self._reference = TorchNativeBackend()
         self.graphs = None  # DecodeGraphRunner once captured
         self.piecewise = None  # PiecewiseGraphRunner once captured
+        self.extend_graphs = None  # ExtendGraphRunner once captured
         self.graph_mode = config.resolved_cuda_graph(self.device.type)  # ConfigError for a mode the device lacks
         self._piecewise_state = None
         hook = None
@@ -237,12 +238,19 @@ class ModelRunner:
 
     def _capture_graphs(self) -> None:
         """Capture what ``graph_mode`` asks for into one memory pool, largest first: the
-        piecewise buckets (up to 512 tokens by default), then the decode batch sizes."""
+        token buckets (up to 512 tokens by default), then the decode batch sizes.
+
+        In ``full`` and ``full_and_piecewise`` a backend that captures extend attention
+        (``graph_support["extend"] == FULL``) gets whole-step graphs per token bucket
+        (`ExtendGraphRunner`) in place of the piecewise ones; otherwise ``full_and_piecewise``
+        captures the pieces and runs attention between them."""
         mode = self.graph_mode
         if mode == "none":
             return
-        decode_support = self.backend.capabilities.graph_support.get("decode", GraphSupport.NEVER)
+        support = self.backend.capabilities.graph_support
+        decode_support = support.get("decode", GraphSupport.NEVER)
         full = mode in ("full", "full_and_piecewise") and decode_support >= GraphSupport.FULL
+        extend_full = mode in ("full", "full_and_piecewise") and support.get("extend", GraphSupport.NEVER) >= GraphSupport.FULL
         if mode == "full" and not full:
             raise ConfigError(
                 f"cuda_graph='full' needs a backend that captures decode attention; "
@@ -254,32 +262,36 @@ class ModelRunner:
         from tqdm.auto import tqdm
 
         from .cuda_graph import DecodeGraphRunner
+        from .extend_graph import ExtendGraphRunner
         from .graph_memory import pool_bytes
         from .piecewise_runner import PiecewiseGraphRunner
 
         cfg = self.config
+        debug = bool(cfg.debug_dump_dir)
         torch.cuda.synchronize()
         start, before = time.perf_counter(), pool_bytes(self.device)
         mempool = torch.cuda.graph_pool_handle()
-        pieces = decode = None
-        if mode in PIECEWISE_MODES:
+        pieces = decode = extend = None
+        if extend_full:
+            extend = ExtendGraphRunner(self, cfg.cuda_graph_num_tokens, mempool=mempool, debug=debug)
+        elif mode in PIECEWISE_MODES:
             state = self._piecewise_state
             state.mempool, state.stream = mempool, torch.cuda.Stream(self.device)
             pieces = PiecewiseGraphRunner(self, state, cfg.cuda_graph_num_tokens)
         if full:
-            decode = DecodeGraphRunner(self, cfg.cuda_graph_capture_sizes, debug=bool(cfg.debug_dump_dir), mempool=mempool)
-        total = (len(pieces.sizes) if pieces else 0) + (len(decode.sizes) if decode else 0)
+            decode = DecodeGraphRunner(self, cfg.cuda_graph_capture_sizes, debug=debug, mempool=mempool)
+        total = sum(len(r.sizes) for r in (pieces, extend, decode) if r is not None)
         with tqdm(total=total, desc="attngraph: capturing CUDA graphs", unit="size", leave=False) as bar:
-            if pieces is not None:
-                pieces.capture(bar)
-            if decode is not None:
-                decode.capture(bar)
-        self.piecewise, self.graphs = pieces, decode
+            for r in (extend, pieces, decode):
+                if r is not None:
+                    r.capture(bar)
+        self.piecewise, self.graphs, self.extend_graphs = pieces, decode, extend
         torch.cuda.synchronize()
         logger.info(
-            "cuda_graph=%s: captured %d piecewise graphs (%s tokens) and %d decode graphs (batch sizes %s) "
-            "in %.1f s; graph memory %.0f MiB",
-            mode, pieces.state.num_graphs if pieces else 0, list(pieces.sizes) if pieces else [],
+            "cuda_graph=%s: captured %d prefill graphs (%s tokens), %d piecewise graphs (%s tokens) and "
+            "%d decode graphs (batch sizes %s) in %.1f s; graph memory %.0f MiB",
+            mode, len(extend.graphs) if extend else 0, list(extend.sizes) if extend else [],
+            pieces.state.num_graphs if pieces else 0, list(pieces.sizes) if pieces else [],
             len(decode.graphs) if decode else 0, list(decode.sizes) if decode else [],
             time.perf_counter() - start, (pool_bytes(self.device) - before) / 2**20,
         )
@@ -291,6 +303,8 @@ class ModelRunner:
         if logits_indices is None:
             if self.graphs is not None and self.graphs.can_run(batch):
                 return self.graphs.replay(batch)
+            if self.extend_graphs is not None and self.extend_graphs.can_run(batch):
+                return self.extend_graphs.replay(batch)
             logits_indices = batch.qo_indptr[1:].long() - 1
         if self.piecewise is not None and self.piecewise.can_run(batch):
             return self.piecewise.run(batch, logits_indices)
@@ -301,7 +315,8 @@ class ModelRunner:
 
     def _after_capture(self):
         """Steps above the largest bucket skip Dynamo's guards too once graphs are captured."""
-        return contextlib.nullcontext() if self.piecewise is None else frozen()
+        captured = self.piecewise is not None or self.extend_graphs is not None
+        return frozen() if captured else contextlib.nullcontext()
 
     @property
     def num_compilations(self) -> int:
@@ -313,6 +328,7 @@ class ModelRunner:
         big buffers are dropped explicitly and the compiler's hook is cut."""
         self.graphs = None
         self.piecewise = None
+        self.extend_graphs = None
         if self._piecewise_state is not None:
             self._piecewise_state.release()
         self.backend = None

@@ -98,7 +98,9 @@ def accelerated(request):
         assert runner.graphs is not None and len(runner.graphs.graphs) == len(CAPTURE_SIZES)
     else:
         assert runner.graphs is None
-    assert (runner.piecewise is not None) == (graph in ("piecewise", "full_and_piecewise", "breakable"))
+    whole = backend == "triton" and graph in ("full", "full_and_piecewise")  # prefill graphs, attention inside
+    assert (runner.extend_graphs is not None) == whole
+    assert (runner.piecewise is not None) == (graph in ("piecewise", "full_and_piecewise", "breakable") and not whole)
     yield request.param, model
     attngraph.restore(model)
 

@@ -58,18 +58,24 @@ def test_graph_mode_matches_hf_eager(mode, arch, backend):
     runner = state_of(model).runner
     assert runner.num_compilations == 1
     assert (runner.graphs is not None) == (mode in ("full", "full_and_piecewise"))
-    assert (runner.piecewise is not None) == (mode in ("full_and_piecewise", "piecewise", "breakable"))
-    ids, mask = batch(model.config.vocab_size)  # 98 tokens: one piecewise step padded to 128
+    # Triton captures extend attention: whole prefill graphs instead of pieces.
+    whole = backend == "triton" and mode in ("full", "full_and_piecewise")
+    assert (runner.extend_graphs is not None) == whole
+    assert (runner.piecewise is not None) == (mode in ("full_and_piecewise", "piecewise", "breakable") and not whole)
+    ids, mask = batch(model.config.vocab_size)  # 98 tokens: one step padded to 128
     valid = mask.bool()
     with torch.no_grad():
         want = reference(ids, attention_mask=mask).logits
     replays = runner.piecewise.state.replays if runner.piecewise else 0
+    whole_replays = runner.extend_graphs.replays if whole else 0
     cache = PagedCache(runner)
     try:
         got = cache.step(ids, mask, 0)
     finally:
         cache.free()
     assert_bf16_close(got[valid], want[valid])
+    if whole:  # logits of every row: above what the whole-step graphs return (the last row's)
+        assert runner.extend_graphs.replays == whole_replays
     if runner.piecewise is not None:
         assert runner.piecewise.state.replays > replays, "the prefill did not replay the piecewise graphs"
         # Both backends opt in: the metadata made at capture is refreshed, not rebuilt.
@@ -83,6 +89,8 @@ def test_graph_mode_matches_hf_eager(mode, arch, backend):
         ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None,
         return_dict_in_generate=True, output_logits=True,
     )  # fmt: skip
+    if whole:
+        assert runner.extend_graphs.replays == whole_replays + 1, "generate's prefill did not replay its graph"
     ours = torch.stack(out.logits, 1)
     full_mask = torch.cat([mask, torch.ones_like(out.sequences[:, ids.shape[1] :])], 1)
     with torch.no_grad():
@@ -104,16 +112,18 @@ def test_steps_above_the_largest_bucket_run_without_graphs(mode):
         cuda_graph_capture_sizes=(1, 2), cuda_graph_num_tokens=(16, 32),
     )  # fmt: skip
     runner = state_of(model).runner
+    graphs = runner.extend_graphs if mode == "full_and_piecewise" else runner.piecewise  # triton: whole graphs
+    counter = (lambda: graphs.replays) if mode == "full_and_piecewise" else (lambda: graphs.state.replays)
     ids, mask = batch(model.config.vocab_size, lengths=(30, 25))  # 55 tokens > 32
     with torch.no_grad():
         want = reference(ids, attention_mask=mask).logits
-    replays = runner.piecewise.state.replays
+    replays = counter()
     cache = PagedCache(runner)
     try:
         got = cache.step(ids, mask, 0)
     finally:
         cache.free()
-    assert runner.piecewise.state.replays == replays
+    assert counter() == replays
     assert_bf16_close(got[mask.bool()], want[mask.bool()])
     assert runner.num_compilations == 1
     attngraph.restore(model)

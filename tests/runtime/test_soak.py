@@ -313,7 +313,8 @@ def soak(arch: str, backend: str, page_size: int, steps: int, device: str = "cpu
     runner.warmup()
     if device == "cuda":
         assert runner.graphs is not None, "the GPU soak must run the decode CUDA graphs"
-        assert runner.piecewise is not None, "the GPU soak must run the piecewise CUDA graphs"
+        # Triton captures whole prefill steps; FlashInfer runs attention between captured pieces.
+        assert (runner.piecewise is None) != (runner.extend_graphs is None), "the GPU soak must run prefill graphs"
     seed = _seed()
     stats = Soak(model, runner, seed, reference=reference, atol=atol, copy=copy).run(steps)
     print(f"soak {arch} {backend} {device} {dtype} page_size={page_size} model_seed={model_seed} seed={seed}: {stats}")
@@ -324,8 +325,11 @@ def soak(arch: str, backend: str, page_size: int, steps: int, device: str = "cpu
     assert not pool.req_to_page_cpu.any() and not pool.req_to_page.any()
     assert runner.num_compilations <= 2, f"seed={seed}: {runner.num_compilations} compilations"
     if device == "cuda":
-        stats["piece_replays"] = runner.piecewise.state.replays
-        assert stats["piece_replays"] > 0, "no extend step went through the piecewise graphs"
+        if runner.piecewise is not None:
+            stats["piece_replays"] = runner.piecewise.state.replays
+        else:
+            stats["prefill_graph_replays"] = runner.extend_graphs.replays
+        assert max(stats.get("piece_replays", 0), stats.get("prefill_graph_replays", 0)) > 0, "no extend step went through graphs"
     # The run really mixed things up.
     if steps >= 500:
         assert stats["decode"] and stats["extend"] and stats["mixed"] and stats["checked"] > steps
