@@ -8,9 +8,9 @@
 * EXTEND / MIXED: the new K/V are appended to the pool first, then `extend_attention_fwd`
   runs one online softmax over each request's keys ``0..seq_len-1`` read back from the pool.
   Its grid follows the longest new-token run; in a captured extend graph it follows the
-  graph's token count instead (``ForwardBatch.static_max_extend_len``), and programs past a
-  request's new tokens return at once, so whole prefill steps are captured too
-  (`GraphSupport.FULL`).
+  graph's token count instead (``ForwardBatch.static_max_extend_len``: ``N // BLOCK_M + B``
+  programs per head, each finding its request by binary search), so whole prefill steps are
+  captured too (`GraphSupport.FULL`).
 * Dense (stateless) form: `dense_attention_fwd`, the extend kernel over contiguous K/V.
 
 Devices: CUDA; and the CPU in Triton's interpreter when ``TRITON_INTERPRET=1`` was set before
@@ -241,7 +241,7 @@ class TritonBackend(AttentionBackend):
         return extend_attention_fwd(
             _last_dim_contiguous(q), kb, vb, out, pool.req_to_page, batch.req_pool_indices, batch.seq_lens,
             batch.qo_indptr, max_ext, page_size=pool.page_size, scale=layer.scale, causal=layer.causal,
-            window_left=layer.window_left, logit_cap=layer.logit_cap,
+            window_left=layer.window_left, logit_cap=layer.logit_cap, static_num_tokens=batch.static_max_extend_len,
         )  # fmt: skip
 
     def forward_dense(self, q, k, v, layer: AttentionLayer, batch_size: int) -> torch.Tensor:

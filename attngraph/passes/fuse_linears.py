@@ -56,11 +56,20 @@ class FuseResult:
         the compiler fakes the parameters as they were traced."""
         with torch.no_grad():
             for params, fused in self.pending:
-                offset = 0
-                for p in params:
-                    p.data = fused[offset : offset + p.shape[0]]
-                    offset += p.shape[0]
+                _view_rows(params, fused)
                 self.shared.extend(params)
+            # The originals' memory, freed just now, often shares the caching allocator's
+            # segments with live weights (q/k/v below its 10 MB large-allocation threshold),
+            # so it could never be given back; each concatenation moves into that memory
+            # (best fit) and its first copy, in a segment of its own, becomes releasable.
+            for params, fused in self.pending:
+                if not fused.is_cuda:
+                    continue
+                moved = torch.empty_like(fused)
+                moved.copy_(fused)
+                _view_rows(params, moved)
+                at = next(i for i, t in enumerate(self.extra_inputs) if t is fused)
+                self.extra_inputs[at] = moved  # the compiled callable reads this list per call
         self.pending.clear()
 
     def unshare_storage(self) -> None:
@@ -72,6 +81,14 @@ class FuseResult:
                 p.data = p.data.clone()
         self.shared.clear()
         self.extra_inputs.clear()
+
+
+def _view_rows(params: list[torch.nn.Parameter], fused: torch.Tensor) -> None:
+    """Each parameter becomes the view of its rows of ``fused`` (in order)."""
+    offset = 0
+    for p in params:
+        p.data = fused[offset : offset + p.shape[0]]
+        offset += p.shape[0]
 
 
 def _linear_parts(node: fx.Node) -> tuple[fx.Node, fx.Node, Any] | None:

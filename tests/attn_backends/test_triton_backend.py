@@ -155,6 +155,16 @@ def test_extend_every_alignment(causal, window):
     run_and_check(TritonBackend(), q, k, v, layer_for(1, 1, 16, causal=causal, window_left=window), batch)
 
 
+@pytest.mark.parametrize("prefix,extend,bound", [([0], [7], 7), ([5, 0, 13, 2], [3, 33, 1, 17], 64), ([4, 9, 0], [16, 0, 5], 40)])
+def test_extend_with_a_static_bound_matches_reference(prefix, extend, bound):
+    """A captured graph's bound (``static_max_extend_len``): the packed grid of
+    ``bound // BLOCK_M + B`` programs per head, each finding its request by binary search,
+    covers every query block of every request, empty requests and slack included."""
+    pool, batch, q, k, v = make_step(prefix, extend, hq=4, hkv=2, d=16, page_size=4, dtype=torch.float32)
+    batch = dataclasses.replace(batch, static_max_extend_len=bound)
+    run_and_check(TritonBackend(), q, k, v, layer_for(4, 2, 16), batch)
+
+
 def test_extend_reads_new_tokens_back_from_pool():
     """With save_kv_cache=False the kernel must use what is in the pool, not the k/v arguments."""
     pool, batch, q, k, v = make_step([4], [6], hq=2, hkv=1, d=16, page_size=4, dtype=torch.float32)

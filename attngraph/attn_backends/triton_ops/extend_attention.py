@@ -1,6 +1,8 @@
 """Extend (prefill) attention (Triton): ragged new tokens over paged or dense keys.
 
-One kernel, grid ``(cdiv(max_extend_len, BLOCK_M), batch, num_q_heads)``. A program takes
+One kernel, grid ``(cdiv(max_extend_len, BLOCK_M), batch, num_q_heads)`` (or, for a fixed
+token count, ``(num_tokens // BLOCK_M + batch, 1, num_q_heads)`` with each program finding its
+request by binary search: `extend_attention_fwd`'s ``static_num_tokens``). A program takes
 ``BLOCK_M`` new tokens of one request and one query head and runs ONE online softmax over the
 request's keys ``0..seq_len-1``. In the paged form the new tokens' K/V must already be in the
 pool (the backend appends them first), so the kernel reads the cached prefix and the new
@@ -89,15 +91,30 @@ def _attend(
 @triton.jit
 def _extend_kernel(
     Q, K, V, Out, ReqToPage, ReqIdx, SeqLens, QoIndptr,
-    scale, logit_cap, window, dense_q_len, dense_kv_len,
+    scale, logit_cap, window, dense_q_len, dense_kv_len, last_slot,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_rtp,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, V_HEAD_DIM: tl.constexpr,
     PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, PACKED_STEPS: tl.constexpr,
 ):  # fmt: skip
-    mblk = tl.program_id(0)
-    b = tl.program_id(1)
+    if PACKED_STEPS > 0:
+        # Grid (total // BLOCK_M + B, 1, Hq): request b's query blocks are programs
+        # qo_indptr[b] // BLOCK_M + b onward (room for cdiv(ext_len, BLOCK_M) of them); the
+        # request of a program is found by binary search over the B starts.
+        t = tl.program_id(0)
+        lo = t * 0
+        hi = lo + last_slot
+        for _ in tl.static_range(PACKED_STEPS):
+            mid = (lo + hi + 1) // 2
+            start = tl.load(QoIndptr + mid) // BLOCK_M + mid
+            lo = tl.where(start <= t, mid, lo)
+            hi = tl.where(start <= t, hi, mid - 1)
+        b = lo
+        mblk = t - (tl.load(QoIndptr + b) // BLOCK_M + b)
+    else:
+        mblk = tl.program_id(0)
+        b = tl.program_id(1)
     h = tl.program_id(2)
     kvh = h // GROUP
     if PAGED:
@@ -197,8 +214,10 @@ def extend_blocks(head_dim: int, v_head_dim: int, dtype: torch.dtype, device: to
 
 
 def _launch(q, k, v, out, req_to_page, req_pool_indices, seq_lens, qo_indptr, grid_m, bsz,
-            scale, logit_cap, window_left, causal, page_size, paged, dense_q_len, dense_kv_len):  # fmt: skip
-    """Shared launch of `_extend_kernel`; ``grid_m``: longest run of queries of one request."""
+            scale, logit_cap, window_left, causal, page_size, paged, dense_q_len, dense_kv_len,
+            packed=False):  # fmt: skip
+    """Shared launch of `_extend_kernel`; ``grid_m``: longest run of queries of one request
+    (``packed``: the total of the new tokens, and the grid packs every request's blocks)."""
     t, hq, d = q.shape
     hkv, dv = k.shape[1], v.shape[2]
     if hq % hkv:
@@ -209,18 +228,23 @@ def _launch(q, k, v, out, req_to_page, req_pool_indices, seq_lens, qo_indptr, gr
         return out
     block_m, block_n, num_warps, num_stages = extend_blocks(d, dv, q.dtype, q.device)
     upcast, precision = dot_options(q.dtype)
-    grid = (triton.cdiv(grid_m, block_m), bsz, hq)
+    if packed:  # cdiv(ext_b, BLOCK_M) <= qo_indptr[b+1] // BLOCK_M - qo_indptr[b] // BLOCK_M + 1
+        grid = (grid_m // block_m + bsz, 1, hq)
+        steps = max(1, (bsz - 1).bit_length())  # binary search over bsz request starts
+    else:
+        grid = (triton.cdiv(grid_m, block_m), bsz, hq)
+        steps = 0
     _extend_kernel[grid](
         q, k, v, out, req_to_page, req_pool_indices, seq_lens, qo_indptr,
         float(scale), float(logit_cap) if logit_cap > 0 else 1.0, window_arg(window_left),
-        dense_q_len, dense_kv_len,
+        dense_q_len, dense_kv_len, bsz - 1,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), req_to_page.stride(0),
         GROUP=hq // hkv, PAGE_SIZE=page_size, HEAD_DIM=d, V_HEAD_DIM=dv,
         PAGED=paged, CAUSAL=bool(causal), HAS_CAP=logit_cap > 0,
         BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv),
-        UPCAST=upcast, PRECISION=precision,
+        UPCAST=upcast, PRECISION=precision, PACKED_STEPS=steps,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
@@ -242,6 +266,7 @@ def extend_attention_fwd(
     causal: bool = True,
     window_left: int = -1,
     logit_cap: float = 0.0,
+    static_num_tokens: int | None = None,
 ) -> torch.Tensor:
     """Attention of the new tokens of every request over its paged keys ``0..seq_len-1``.
 
@@ -258,9 +283,17 @@ def extend_attention_fwd(
     seq_lens: ``[B]`` int32, KV lengths after this step. qo_indptr: ``[B + 1]`` int32.
     max_extend_len: host int >= the largest ``qo_indptr[b+1] - qo_indptr[b]`` (sizes the grid).
     page_size, scale, causal, window_left, logit_cap: as in ``AttentionLayer``.
+    static_num_tokens: a fixed bound on ``qo_indptr[-1]`` (a captured graph's token count):
+        the grid is then ``static_num_tokens // BLOCK_M + B`` programs per head, each finding
+        its request by binary search over ``qo_indptr``, whatever the lengths (no program per
+        (request, block) pair: empty requests of a graph cost one program, not a column).
 
     Returns ``out``.
     """
+    if static_num_tokens is not None:
+        return _launch(q, k_buffer, v_buffer, out, req_to_page, req_pool_indices, seq_lens, qo_indptr,
+                       int(static_num_tokens), int(req_pool_indices.shape[0]), scale, logit_cap, window_left,
+                       causal, page_size, True, 0, 0, packed=True)  # fmt: skip
     return _launch(q, k_buffer, v_buffer, out, req_to_page, req_pool_indices, seq_lens, qo_indptr,
                    int(max_extend_len), int(req_pool_indices.shape[0]), scale, logit_cap, window_left,
                    causal, page_size, True, 0, 0)  # fmt: skip
