@@ -42,19 +42,23 @@ class CompileConfig:
         and ``"auto"`` are accepted):
 
         * ``"full"``: each decode step captured whole, attention included, per padded batch
-          size (``cuda_graph_capture_sizes``); other steps run without graphs.
+          size (``cuda_graph_capture_sizes``); prefill / extend / mixed steps too, per token
+          bucket (``cuda_graph_num_tokens``), when the backend captures extend attention
+          (Triton); other steps run without graphs.
         * ``"piecewise"``: the graph is split at attention; the pieces between attention ops
           are captured per padded token count (``cuda_graph_num_tokens``) and attention runs
           eagerly between them, for every kind of step.
-        * ``"full_and_piecewise"``: full graphs for decode steps, piecewise for the rest.
+        * ``"full_and_piecewise"``: full graphs for decode steps, and for the other steps
+          where the backend captures extend attention (as in ``"full"``); piecewise for the
+          rest.
         * ``"breakable"``: piecewise graphs of the traced FX code without inductor (fast
           start: no inductor compile).
         * ``"none"``; ``"auto"``: ``full_and_piecewise`` on CUDA, ``none`` elsewhere.
     cuda_graph_capture_sizes:
         Decode batch sizes captured by full graphs; a batch is padded up to the next one.
     cuda_graph_num_tokens:
-        Token counts captured by piecewise graphs; a step is padded up to the next one, and
-        one above the largest runs without graphs.
+        Token counts captured by piecewise or whole-step prefill graphs; a step is padded up
+        to the next one, and one above the largest runs without graphs.
     page_size:
         Tokens per KV page (>= 1).
     kv_cache_tokens, kv_memory_fraction:
