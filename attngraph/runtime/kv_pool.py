@@ -146,6 +146,25 @@ class KVPool:
             idx = torch.tensor(changed, dtype=torch.long)
             self.req_to_page[idx.to(self.device)] = self.req_to_page_cpu[idx].to(self.device)
 
+    def truncate(self, row: int, num_tokens: int) -> None:
+        """Keep the pages of the first ``num_tokens`` tokens of request ``row`` and return the
+        rest to the pool (rejected speculative tokens, a cropped cache). The slots past
+        ``num_tokens`` in the last kept page are stale until written again; attention never
+        reads beyond a request's length."""
+        if row not in self._row_pages:
+            raise ValueError(f"request row {row} is not allocated")
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        held = self._row_pages[row]
+        keep = math.ceil(num_tokens / self.page_size)
+        if keep >= held:
+            return
+        pages = self.req_to_page_cpu[row, keep:held].tolist()
+        self.req_to_page_cpu[row, keep:held] = 0
+        self.req_to_page[row, keep:held] = 0  # the row must not point at pages it gave back
+        self._free_pages.extend(reversed(pages))
+        self._row_pages[row] = keep
+
     def free_request(self, row: int) -> None:
         """Return the row and all its pages. Freeing an unknown row is a no-op."""
         held = self._row_pages.pop(row, None)

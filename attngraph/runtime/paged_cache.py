@@ -77,6 +77,32 @@ class PagedCache(Cache):
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return self.pool.max_context_len
 
+    def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` columns (negative: drop the last ``-max_length``), as
+        transformers' caches do; each request gives back the pages past its kept tokens.
+
+        The dropped columns are the newest tokens of every request (pads only lead a prompt),
+        so each request loses as many tokens as columns are dropped and its next position
+        moves back by as many. Raises `InputError`, changing nothing, when a request holds
+        fewer tokens than that (the crop would reach into its padding).
+        """
+        if max_length < 0:
+            max_length = self.columns + max_length
+        if max_length >= self.columns:
+            return
+        drop = self.columns - max(0, max_length)
+        short = [b for b, n in enumerate(self.lengths) if n < drop]
+        if short:
+            raise InputError(
+                f"cannot crop {drop} columns: sequence {short[0]} holds only {self.lengths[short[0]]} tokens "
+                "(the rest of its columns are padding)"
+            )
+        for b, row in enumerate(self.rows):
+            self.lengths[b] -= drop
+            self.next_positions[b] -= drop
+            self.pool.truncate(row, self.lengths[b])
+        self.columns -= drop
+
     def update(self, *args, **kwargs):
         raise AttnGraphError(
             "PagedCache stores K/V in attngraph's pool; it is only used through the accelerated model's forward"

@@ -385,3 +385,29 @@ def test_random_churn(page_size):
         check_invariants(pool, model)
     assert pool.num_used_pages == 0 and pool.num_free_pages == num_pages and pool.num_active_requests == 0
     assert torch.count_nonzero(pool.req_to_page_cpu) == 0
+
+
+# ---------------------------------------------------------------------------- truncate
+def test_truncate_returns_the_pages_past_the_kept_tokens():
+    pool = make_pool(num_pages=20, page_size=4, max_requests=4, max_context_len=64)
+    a, b = pool.alloc_request(), pool.alloc_request()
+    pool.reserve([a, b], [19, 6])  # 5 and 2 pages
+    pages_a = held_pages(pool, a)
+    pool.truncate(a, 9)  # keeps ceil(9 / 4) = 3 pages
+    assert held_pages(pool, a) == pages_a[:3] and pool.pages_of(b) == 2
+    assert pool.num_used_pages == 5
+    assert not pool.req_to_page_cpu[a, 3:].any() and torch.equal(pool.req_to_page, pool.req_to_page_cpu)
+    before = snapshot(pool)
+    pool.truncate(a, 12)  # already within its pages: nothing changes
+    assert_same_state(pool, before)
+    pool.reserve([a], [20])  # grows again from the pool
+    assert pool.pages_of(a) == 5
+    pool.truncate(a, 0)
+    assert pool.pages_of(a) == 0 and pool.num_used_pages == 2
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.truncate(3, 1)
+    with pytest.raises(ValueError, match=">= 0"):
+        pool.truncate(b, -1)
+    pool.free_request(a)
+    pool.free_request(b)
+    assert pool.num_used_pages == 0 and pool.num_free_pages == 20
