@@ -86,6 +86,8 @@ class PagedCache(Cache):
         moves back by as many. Raises `InputError`, changing nothing, when a request holds
         fewer tokens than that (the crop would reach into its padding).
         """
+        if isinstance(max_length, bool) or not isinstance(max_length, int):
+            raise InputError(f"crop takes an int number of columns to keep (negative: to drop), got {max_length!r}")
         if max_length < 0:
             max_length = self.columns + max_length
         if max_length >= self.columns:
