@@ -67,6 +67,13 @@ class CompileConfig:
     max_requests, max_context_len:
         Rows and width of the request-to-page table. ``max_context_len=None`` takes the
         model's ``max_position_embeddings`` (capped at 32768).
+    trace_tokens:
+        Token count of the dummy step the paged runtime compiles the model on. Inductor sizes
+        its kernels' blocks (and tunes them, at their first launch) for the shapes it is given,
+        so a count like the largest real step gives kernels that stream large steps at full
+        bandwidth; one tuned on 2 tokens runs a 1024-token step's elementwise kernels several
+        times slower. ``None``: the largest of ``cuda_graph_num_tokens`` on CUDA (at most
+        ``max_context_len``), 2 elsewhere (the CPU gains nothing and pays the compute).
     piece_compiler:
         How graph pieces are compiled: ``"inductor"``, ``"eager"`` (run the FX graph as is), or
         ``"auto"`` (inductor on CUDA, eager on CPU).
@@ -99,6 +106,7 @@ class CompileConfig:
     kv_memory_fraction: float | None = None
     max_requests: int = 256
     max_context_len: int | None = None
+    trace_tokens: int | None = None
     piece_compiler: str = "auto"
     lower_attention: bool = True
     deterministic: bool = False
@@ -133,6 +141,8 @@ class CompileConfig:
         _check_int(self.max_requests, "max_requests", 1)
         if self.max_context_len is not None:
             _check_int(self.max_context_len, "max_context_len", 1)
+        if self.trace_tokens is not None:
+            _check_int(self.trace_tokens, "trace_tokens", 2)
         if self.kv_cache_tokens is not None and self.kv_memory_fraction is not None:
             raise ConfigError(
                 "set either kv_cache_tokens or kv_memory_fraction, not both "

@@ -26,6 +26,8 @@ def test_defaults_are_valid_and_frozen():
         (dict(kv_memory_fraction=1.5), "kv_memory_fraction"),
         (dict(cuda_graph_capture_sizes=(0, 2)), "capture_sizes"),
         (dict(max_requests=0), "max_requests"),
+        (dict(trace_tokens=1), "trace_tokens"),
+        (dict(trace_tokens=64.0), "trace_tokens"),
         (dict(fuse_linears="no"), "fuse_linears must be True or False"),
         (dict(deterministic=1), "deterministic"),
         (dict(lower_attention=None), "lower_attention"),

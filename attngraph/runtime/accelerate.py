@@ -59,8 +59,9 @@ def accelerate(model: torch.nn.Module, config: CompileConfig | None = None, **op
         A `CompileConfig` and/or its fields (``attention_backend="triton"``, ``page_size=1``,
         ``kv_cache_tokens=...``).
 
-    The model is compiled once here (a 2-token warm-up), so an unsupported model or backend
-    fails now with `UnsupportedModelError` / `BackendUnavailableError`. `restore` undoes it.
+    The model is compiled once here (on a dummy sequence of ``trace_tokens``), so an
+    unsupported model or backend fails now with `UnsupportedModelError` /
+    `BackendUnavailableError`. `restore` undoes it.
 
     Examples
     --------

@@ -134,17 +134,26 @@ class ModelRunner:
             self._pool = self._make_pool()
         return self._pool
 
+    def trace_tokens(self) -> int:
+        """Tokens of the dummy sequence the model is compiled on (`CompileConfig.trace_tokens`)."""
+        if self.config.trace_tokens is not None:
+            return self.config.trace_tokens
+        if self.device.type != "cuda":
+            return MIN_TOKENS
+        return max(MIN_TOKENS, min(max(self.config.cuda_graph_num_tokens), self.max_context_len))
+
     def _trace(self) -> None:
-        """Compile the ragged model on a 2-token dummy sequence before any pool exists.
+        """Compile the ragged model on a dummy sequence (`trace_tokens`) before any pool exists.
 
         The compiler reports the sites (`_on_sites_checked` records their geometry and picks
         the backend) before the graph runs; the run itself is published without a
         `ForwardBatch`, so the lowered op attends densely and touches no pool. The shapes are
         those of every later step, so the graph is the one they reuse (no second compile).
         """
-        ids = torch.zeros(MIN_TOKENS, dtype=torch.long, device=self.device)
-        positions = torch.arange(MIN_TOKENS, dtype=torch.long, device=self.device)
-        last = torch.tensor([MIN_TOKENS - 1], dtype=torch.long, device=self.device)
+        n = self.trace_tokens()
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        positions = torch.arange(n, dtype=torch.long, device=self.device)
+        last = torch.tensor([n - 1], dtype=torch.long, device=self.device)
         with use_forward_context(ForwardContext(self._reference)):
             self.ragged(ids, positions, last)
         if self._geometry is None:  # _check_sites refuses a graph without attention first
@@ -222,7 +231,7 @@ class ModelRunner:
         )
 
     def warmup(self) -> None:
-        """Compile now (a 2-token dummy sequence, which sizes the pool; then a prefill and a
+        """Compile now (a dummy sequence of `trace_tokens`, which sizes the pool; then a prefill and a
         decode step of a dummy request on the chosen backend) so errors surface at `accelerate`
         time; then capture the CUDA graphs ``graph_mode`` asks for."""
         pool = self.pool

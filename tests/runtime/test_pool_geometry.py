@@ -83,6 +83,23 @@ def test_first_pool_access_traces_once_and_steps_reuse_the_graph():
     assert runner.num_compilations == 1 and pool.num_used_pages == 0
 
 
+@pytest.mark.parametrize("trace_tokens", [None, 5, 40])
+def test_the_trace_length_changes_no_result_and_compiles_once(trace_tokens):
+    """The dummy sequence the model is compiled on (`CompileConfig.trace_tokens`, 2 on the CPU
+    by default) only sizes inductor's kernels: the steps after it, shorter or longer, reuse
+    the one graph and generate HF's tokens."""
+    model = falcon("40b_new_decoder", "sdpa", seed=5)
+    reference = copy.deepcopy(model)
+    attngraph.accelerate(model, attention_backend="torch_native", page_size=4, trace_tokens=trace_tokens)
+    runner = state_of(model).runner
+    assert runner.trace_tokens() == (trace_tokens or 2)
+    ids, mask = left_padded_batch(model.config.vocab_size, lengths=(13, 4))
+    with torch.no_grad():
+        want = reference.generate(ids, attention_mask=mask, **GREEDY)
+    assert torch.equal(model.generate(ids, attention_mask=mask, **GREEDY), want)
+    assert runner.num_compilations == 1
+
+
 def test_paged_cache_on_a_fresh_runner_compiles_once():
     """`PagedCache` reads `geometry` (its layer count) before `pool`: either access compiles."""
     runner = ModelRunner(falcon("7b_multi_query", "eager"), CompileConfig(attention_backend="torch_native", kv_cache_tokens=64))

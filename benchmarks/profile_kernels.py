@@ -1,0 +1,151 @@
+"""Which kernels a step runs and how long each takes on the GPU (torch.profiler over replays).
+
+A Llama-3.2-1B-shaped (or 8B-shaped) model, random weights, bf16, accelerated with the chosen
+backend and ``cuda_graph`` mode. For one prefill step of 1 x ``--tokens`` each and one decode
+step at batch ``--decode-batch`` (128-token context), prints:
+
+* ``gpu_ms``: the summed kernel time of one step, and ``kernels``: launches per step;
+* the time per kernel class (GEMM, split-K reduce, attention, inductor's fused kernels,
+  K/V writes and copies, other), with the launch count of each;
+* the busiest kernels by name.
+
+    python benchmarks/profile_kernels.py --backend triton --tokens 128,1024 --out x.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections import defaultdict
+
+import torch
+import transformers
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import attngraph  # noqa: E402
+from attngraph.forward_batch import ForwardBatch  # noqa: E402
+from attngraph.runtime.accelerate import state_of  # noqa: E402
+from bench_generate import llama_1b  # noqa: E402
+from bench_prefill import llama_8b, prefill_step  # noqa: E402
+
+#: Kernel classes, first match wins (names as CUPTI reports them).
+CLASSES = [
+    ("splitk_reduce", re.compile(r"splitKreduce|reduce_kernel.*splitK", re.I)),
+    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|sm90_|gemv|cublas|mm_kernel|triton_tem", re.I)),
+    ("attention", re.compile(r"attention|_fwd_kernel|flashinfer|Prefill|Decode|merge|_stage", re.I)),
+    ("kv_write_copy", re.compile(r"index_put|index_copy|scatter|copy|Memcpy|Memset|fill", re.I)),
+    ("inductor_fused", re.compile(r"^triton_", re.I)),
+]
+
+
+def classify(name: str) -> str:
+    for label, pattern in CLASSES:
+        if pattern.search(name):
+            return label
+    return "other"
+
+
+def kernel_table(step, steps: int = 5) -> dict:
+    """Per-step kernel time and launches of ``step``, by class and by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        entry = by_name[e.name]
+        entry[0] += e.device_time_total / steps
+        entry[1] += 1 / steps
+    by_class: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for name, (us, n) in by_name.items():
+        c = by_class[classify(name)]
+        c[0] += us
+        c[1] += n
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:25]
+    return {
+        "gpu_ms": sum(us for us, _ in by_name.values()) / 1e3,
+        "kernels": round(sum(n for _, n in by_name.values())),
+        "by_class_us": {k: [round(us, 1), round(n)] for k, (us, n) in sorted(by_class.items(), key=lambda kv: -kv[1][0])},
+        "top_us": [[name[:110], round(us, 1), round(n)] for name, (us, n) in top],
+    }
+
+
+def decode_step(runner, batch: int, context: int, vocab: int):
+    """A callable running one decode step of ``batch`` requests with ``context`` cached tokens."""
+    pool = runner.pool
+    rows = [pool.alloc_request() for _ in range(batch)]
+    pool.reserve(rows, [context + 1] * batch)
+    ids = torch.randint(3, vocab, (batch,))
+    fb = ForwardBatch.build(pool, rows, [context] * batch, [1] * batch, ids)
+
+    def free():
+        for r in rows:
+            pool.free_request(r)
+
+    return (lambda: runner.forward(fb)), free
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", default="triton")
+    p.add_argument("--mode", default="full_and_piecewise")
+    p.add_argument("--shape", default="1b", choices=["1b", "8b"])
+    p.add_argument("--tokens", default="128,1024", help="prefill step sizes, comma-separated")
+    p.add_argument("--decode-batch", type=int, default=1)
+    p.add_argument("--trace-tokens", type=int, default=None, help="CompileConfig.trace_tokens")
+    p.add_argument("--num-tokens", default=None, help="CompileConfig.cuda_graph_num_tokens, comma-separated")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("profile_kernels.py needs a CUDA device")
+    torch.manual_seed(0)
+    config = llama_1b(16) if args.shape == "1b" else llama_8b()
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    extra = {}
+    if args.num_tokens:
+        extra["cuda_graph_num_tokens"] = tuple(int(t) for t in args.num_tokens.split(","))
+    attngraph.accelerate(model, cuda_graph=args.mode, attention_backend=args.backend, trace_tokens=args.trace_tokens, **extra)
+    runner = state_of(model).runner
+    vocab = model.config.vocab_size
+    result = {
+        "command": "python benchmarks/profile_kernels.py " + " ".join(sys.argv[1:]),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "shape": args.shape,
+        "backend": args.backend,
+        "mode": args.mode,
+        "trace_tokens": runner.trace_tokens(),
+        "steps": {},
+    }
+    for n in [int(t) for t in args.tokens.split(",") if t]:
+        step, free = prefill_step(runner, 1, n, vocab)
+        result["steps"][f"prefill_1x{n}"] = kernel_table(step)
+        free()
+    step, free = decode_step(runner, args.decode_batch, 128, vocab)
+    result["steps"][f"decode_b{args.decode_batch}"] = kernel_table(step)
+    free()
+    for name, row in result["steps"].items():
+        print(f"== {name}: gpu {row['gpu_ms']:.3f} ms, {row['kernels']} kernels")
+        for cls, (us, n) in row["by_class_us"].items():
+            print(f"   {cls:16s} {us:9.1f} us  {n:4d} launches")
+        for kname, us, n in row["top_us"]:
+            print(f"   {us:9.1f} us {n:4d}x  {kname}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
