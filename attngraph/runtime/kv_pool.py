@@ -11,6 +11,21 @@ from ..errors import KVCacheFullError
 
 logger = logging.getLogger(__name__)
 
+_STORE_KV: list = []  # [triton_ops.store_kv or None], resolved at the first CUDA write
+
+
+def _cuda_store_kv():
+    """The Triton K/V store kernel's launcher, or None where Triton cannot be imported."""
+    if not _STORE_KV:
+        try:
+            from ..attn_backends.triton_ops.kv_store import store_kv
+        except ImportError as exc:  # a CUDA build of torch without Triton
+            logger.info("K/V writes use index_copy_ (Triton unavailable: %s)", exc)
+            store_kv = None
+        _STORE_KV.append(store_kv)
+    return _STORE_KV[0]
+
+
 #: Physical page 0 is never handed out: CUDA-graph padding tokens write their K/V there.
 DUMMY_PAGE = 0
 
@@ -203,6 +218,11 @@ class KVPool:
         """Store new K/V: ``k: [T, num_kv_heads, head_dim]`` at slots ``out_cache_loc: [T]``."""
         kb = self.k_buffers[layer_id].view(-1, self.num_kv_heads, self.head_dim)
         vb = self.v_buffers[layer_id].view(-1, self.num_kv_heads, self.v_head_dim)
+        if kb.is_cuda:
+            store = _cuda_store_kv()
+            if store is not None:  # one launch for both buffers
+                store(kb, vb, out_cache_loc, k, v)
+                return
         # index_copy_: one kernel per buffer with less host work than advanced-index assignment
         kb.index_copy_(0, out_cache_loc, k.to(kb.dtype))
         vb.index_copy_(0, out_cache_loc, v.to(vb.dtype))

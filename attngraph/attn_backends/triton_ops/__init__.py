@@ -5,10 +5,12 @@ Launch functions (tensor shapes in their docstrings):
 * `decode_attention_fwd`: split-KV paged decode (stage 1 per split, stage 2 merge).
 * `extend_attention_fwd`: ragged new tokens over paged keys, one online softmax.
 * `dense_attention_fwd`: the same kernel over contiguous, equal-length sequences.
+* `store_kv`: a step's new K and V into a layer's pool slots, one launch.
 """
 
 from .decode_attention import DEFAULT_MIN_SPLIT_LEN, decode_attention_fwd, interpreter_problem, interpreting
 from .extend_attention import dense_attention_fwd, extend_attention_fwd
+from .kv_store import store_kv
 
 __all__ = [
     "DEFAULT_MIN_SPLIT_LEN",
@@ -17,4 +19,5 @@ __all__ = [
     "extend_attention_fwd",
     "interpreter_problem",
     "interpreting",
+    "store_kv",
 ]

@@ -213,6 +213,29 @@ def extend_blocks(head_dim: int, v_head_dim: int, dtype: torch.dtype, device: to
     return 64, 32, 8, 2
 
 
+@functools.lru_cache(maxsize=8)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+#: Smallest query block the shrinking below goes to (tensor-core dots want 16+ rows; 32 keeps
+#: each program's K/V reads shared by enough queries).
+_MIN_BLOCK_M = 32
+
+
+def _fill_the_gpu(block_m: int, num_warps: int, num_tokens: int, num_heads: int, device: torch.device) -> tuple[int, int]:
+    """Halve ``BLOCK_M`` while the step's query blocks (``cdiv(T, BLOCK_M) * Hq``) are fewer
+    than the SMs: a 128-token prefill of 32 heads in 128-row blocks runs 32 programs on 132
+    SMs. Long steps keep the blocks picked for throughput."""
+    if interpreting() or device.type != "cuda" or block_m <= _MIN_BLOCK_M:
+        return block_m, num_warps
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    while block_m > _MIN_BLOCK_M and -(-num_tokens // block_m) * num_heads < sms:
+        block_m //= 2
+        num_warps = min(num_warps, 4)
+    return block_m, num_warps
+
+
 def _launch(q, k, v, out, req_to_page, req_pool_indices, seq_lens, qo_indptr, grid_m, bsz,
             scale, logit_cap, window_left, causal, page_size, paged, dense_q_len, dense_kv_len,
             packed=False):  # fmt: skip
@@ -227,6 +250,7 @@ def _launch(q, k, v, out, req_to_page, req_pool_indices, seq_lens, qo_indptr, gr
     if t == 0 or bsz == 0 or grid_m == 0:
         return out
     block_m, block_n, num_warps, num_stages = extend_blocks(d, dv, q.dtype, q.device)
+    block_m, num_warps = _fill_the_gpu(block_m, num_warps, t, hq, q.device)
     upcast, precision = dot_options(q.dtype)
     if packed:  # cdiv(ext_b, BLOCK_M) <= qo_indptr[b+1] // BLOCK_M - qo_indptr[b] // BLOCK_M + 1
         grid = (grid_m // block_m + bsz, 1, hq)
