@@ -218,9 +218,12 @@ class KVPool:
         """Store new K/V: ``k: [T, num_kv_heads, head_dim]`` at slots ``out_cache_loc: [T]``."""
         kb = self.k_buffers[layer_id].view(-1, self.num_kv_heads, self.head_dim)
         vb = self.v_buffers[layer_id].view(-1, self.num_kv_heads, self.v_head_dim)
-        if kb.is_cuda:
+        if kb.is_cuda and torch.cuda.is_current_stream_capturing():
+            # In a captured graph one launch for both buffers saves a kernel per layer and
+            # step; run eagerly (between graph pieces) Triton's Python launcher costs more
+            # host time than the two index_copy_ dispatches it replaces.
             store = _cuda_store_kv()
-            if store is not None:  # one launch for both buffers
+            if store is not None:
                 store(kb, vb, out_cache_loc, k, v)
                 return
         # index_copy_: one kernel per buffer with less host work than advanced-index assignment
