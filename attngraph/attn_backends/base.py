@@ -79,6 +79,10 @@ class ModelAttentionSpec:
     uses_window: bool = False
     uses_logit_cap: bool = False
     non_causal: bool = False
+    #: Paged form: the pool's value head dim where it differs from the key head dim (the MHA
+    #: form of multi-head latent attention: DeepSeek V2/V3 keys of 192, values of 128); None
+    #: when they are equal, and in the stateless form.
+    v_head_dim: int | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,8 @@ class BackendCapabilities:
     logit_cap: bool = True
     non_causal: bool = True
     dense: bool = True  # serves the stateless (no ForwardContext batch) form
+    #: Serves a paged pool whose values have another head dim than its keys, in every mode.
+    distinct_v_head_dim: bool = True
     #: Appended to a "runs on ..., not <device>" refusal: how to get the missing device support.
     device_hint: str = ""
     graph_support: dict[str, GraphSupport] = field(
@@ -118,6 +124,8 @@ class BackendCapabilities:
             return "does not support logit softcapping"
         if spec.non_causal and not self.non_causal:
             return "does not support non-causal attention"
+        if spec.v_head_dim is not None and not self.distinct_v_head_dim:
+            return f"does not serve a paged cache whose values ({spec.v_head_dim}) are narrower or wider than its keys"
         return None
 
 

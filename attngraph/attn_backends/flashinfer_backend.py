@@ -207,6 +207,8 @@ class FlashInferBackend(AttentionBackend):
         logit_cap=True,
         non_causal=True,  # window + non-causal falls back to torch_native (see module doc)
         dense=True,
+        # Its paged decode kernels take one head dim for K and V ("auto" then picks Triton).
+        distinct_v_head_dim=False,
         graph_support={"decode": GraphSupport.FULL, "extend": GraphSupport.PIECEWISE},
     )
 

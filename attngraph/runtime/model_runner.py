@@ -38,6 +38,7 @@ class AttentionGeometry:
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
+    v_head_dim: int
 
 
 def attention_geometry(sites: list[AttentionSite]) -> AttentionGeometry:
@@ -61,14 +62,11 @@ def attention_geometry(sites: list[AttentionSite]) -> AttentionGeometry:
             )
         if s.layer_id < 0:
             raise UnsupportedModelError(f"attention site {s.name} has no KV-pool layer")
-    if first.v_head_dim != first.head_dim:
-        raise UnsupportedModelError(
-            f"attention site {first.name} has values of dim {first.v_head_dim} for keys of dim "
-            f"{first.head_dim}; the paged runtime needs them equal"
-        )
     if len({s.layer_id for s in sites}) != len(sites):
         raise UnsupportedModelError("two attention sites map to the same KV-pool layer")
-    return AttentionGeometry(max(s.layer_id for s in sites) + 1, first.num_q_heads, first.num_kv_heads, first.head_dim)
+    return AttentionGeometry(
+        max(s.layer_id for s in sites) + 1, first.num_q_heads, first.num_kv_heads, first.head_dim, first.v_head_dim
+    )
 
 
 class ModelRunner:
@@ -161,7 +159,7 @@ class ModelRunner:
 
     def _make_pool(self) -> KVPool:
         g, cfg = self.geometry, self.config
-        per_token = KVPool.bytes_per_token(g.num_layers, g.num_kv_heads, g.head_dim, g.head_dim, self.dtype)
+        per_token = KVPool.bytes_per_token(g.num_layers, g.num_kv_heads, g.head_dim, g.v_head_dim, self.dtype)
         if cfg.kv_cache_tokens is not None:
             tokens = cfg.kv_cache_tokens
         elif self.device.type == "cuda":
@@ -173,14 +171,15 @@ class ModelRunner:
             tokens = CPU_DEFAULT_KV_TOKENS
         num_pages = max(1, tokens // cfg.page_size)
         logger.info(
-            "KV pool: %d pages x %d tokens (%.1f MiB) for %d layers of %d KV heads x %d",
-            num_pages, cfg.page_size, num_pages * cfg.page_size * per_token / 2**20, g.num_layers,
-            g.num_kv_heads, g.head_dim,
+            "KV pool: %d pages x %d tokens (%.1f MiB, %d bytes per token) for %d layers of %d KV heads x %s",
+            num_pages, cfg.page_size, num_pages * cfg.page_size * per_token / 2**20, per_token, g.num_layers,
+            g.num_kv_heads, g.head_dim if g.v_head_dim == g.head_dim else f"{g.head_dim} (K) / {g.v_head_dim} (V)",
         )
         return KVPool(
             num_layers=g.num_layers,
             num_kv_heads=g.num_kv_heads,
             head_dim=g.head_dim,
+            v_head_dim=g.v_head_dim,
             num_pages=num_pages,
             page_size=cfg.page_size,
             dtype=self.dtype,
@@ -199,26 +198,27 @@ class ModelRunner:
         g = attention_geometry(sites)
         have = self._geometry
         if have is not None:
-            if (g.num_q_heads, g.num_kv_heads, g.head_dim) != (have.num_q_heads, have.num_kv_heads, have.head_dim) or (
-                g.num_layers > have.num_layers
-            ):
+            heads = (g.num_q_heads, g.num_kv_heads, g.head_dim, g.v_head_dim)
+            if heads != (have.num_q_heads, have.num_kv_heads, have.head_dim, have.v_head_dim) or g.num_layers > have.num_layers:
                 raise UnsupportedModelError(
                     f"a recompiled graph's attention ({g.num_q_heads} query / {g.num_kv_heads} KV heads of dim "
-                    f"{g.head_dim}, {g.num_layers} layers) does not fit the KV pool sized by the first graph "
-                    f"({have.num_q_heads} query / {have.num_kv_heads} KV heads of dim {have.head_dim}, {have.num_layers} layers)"
+                    f"{g.head_dim}/{g.v_head_dim}, {g.num_layers} layers) does not fit the KV pool sized by the first "
+                    f"graph ({have.num_q_heads} query / {have.num_kv_heads} KV heads of dim {have.head_dim}/"
+                    f"{have.v_head_dim}, {have.num_layers} layers)"
                 )
             g = have
         self.spec = ModelAttentionSpec(
             num_layers=g.num_layers,
             num_q_heads=g.num_q_heads,
             num_kv_heads=g.num_kv_heads,
-            head_dims=(g.head_dim,),
+            head_dims=tuple(sorted({g.head_dim, g.v_head_dim})),
             dtype=self.dtype,
             device_type=self.device.type,
             page_size=self.config.page_size,
             uses_window=any(s.window_left >= 0 for s in sites),
             uses_logit_cap=any(isinstance(s.logit_cap, torch.fx.Node) or s.logit_cap > 0 for s in sites),
             non_causal=any(not s.causal for s in sites),
+            v_head_dim=g.v_head_dim if g.v_head_dim != g.head_dim else None,
         )
         from ..attn_backends.hybrid import create_attention_backend
 

@@ -124,7 +124,9 @@ def site(layer_id: int, hq: int = 4, hkv: int = 1, d: int = 16, dv: int = 16) ->
 
 def test_geometry_is_read_from_the_sites():
     g = attention_geometry([site(0), site(1)])
-    assert (g.num_layers, g.num_q_heads, g.num_kv_heads, g.head_dim) == (2, 4, 1, 16)
+    assert (g.num_layers, g.num_q_heads, g.num_kv_heads, g.head_dim, g.v_head_dim) == (2, 4, 1, 16, 16)
+    g = attention_geometry([site(0, dv=8), site(1, dv=8)])  # values narrower than keys (MLA's MHA form)
+    assert (g.head_dim, g.v_head_dim) == (16, 8)
 
 
 @pytest.mark.parametrize(
@@ -132,7 +134,7 @@ def test_geometry_is_read_from_the_sites():
     [
         ([site(0), site(1, hkv=2)], "h.1.attn has 4 query / 2 KV heads.*one shape for every layer"),
         ([site(0), site(1, d=8, dv=8)], "h.1.attn .* of dim 8/8"),
-        ([site(0, dv=8), site(1, dv=8)], "values of dim 8 for keys of dim 16"),
+        ([site(0, dv=8), site(1)], "h.1.attn .* of dim 16/16, but h.0.attn .* of dim 16/8"),
         ([site(0), site(0)], "same KV-pool layer"),
         ([], "no attention site"),
     ],
