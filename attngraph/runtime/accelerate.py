@@ -33,7 +33,10 @@ logger = logging.getLogger(__name__)
 _STATE_ATTR = "_attngraph_state"
 #: Dynamo's "recompiled too often" error (an empty tuple catches nothing where it is absent).
 _RECOMPILE_LIMIT_HIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())
-SUPPORTED_MODES = "greedy decoding and multinomial sampling (temperature, top-k, top-p, logits processors), num_beams=1"
+SUPPORTED_MODES = (
+    "greedy decoding and multinomial sampling (temperature, top-k, top-p, logits processors), num_beams=1, "
+    "and assisted generation at batch size 1 (prompt_lookup_num_tokens, or an unaccelerated assistant_model)"
+)
 
 
 class AcceleratedState:
@@ -162,8 +165,12 @@ def _check_generate_options(model: torch.nn.Module, state: AcceleratedState, kwa
     problems = []
     if (opt("num_beams", 1) or 1) > 1:
         problems.append(f"beam search (num_beams={opt('num_beams')})")
-    if kwargs.get("assistant_model") is not None or opt("prompt_lookup_num_tokens") is not None:
-        problems.append("assisted / speculative decoding")
+    assistant = kwargs.get("assistant_model")
+    if assistant is not None and getattr(assistant, _STATE_ATTR, None) is not None:
+        problems.append(
+            "an accelerated assistant_model (pass the assistant unaccelerated, or attngraph.restore(assistant): "
+            "it drafts with its own HF cache while this model verifies on the paged runtime)"
+        )
     if opt("penalty_alpha") is not None and (opt("top_k") or 0) > 1:
         problems.append("contrastive search")
     if kwargs.get("inputs_embeds") is not None:
@@ -219,6 +226,12 @@ def _generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             # custom_generate receives no streamer from transformers: it is passed again by a
             # keyword of the loop's own.
             loop = {"custom_generate": paged_sample, "attngraph_streamer": kwargs.get("streamer")}
+            if _assisted(model, kwargs):
+                # HF's own assisted loop: candidates from the prompt (prompt lookup) or from the
+                # assistant, verified k + 1 tokens at a time through this model's paged forward,
+                # rejected tokens dropped with PagedCache.crop. A callable custom_generate would
+                # not receive the assistant.
+                loop = {}
             kwargs = _without_cache_implementation(model, kwargs)
             return state.original_generate(*args, **{state.cache_kwarg: cache}, **loop, **kwargs)
         except _RECOMPILE_LIMIT_HIT as exc:
@@ -229,6 +242,13 @@ def _generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             ) from exc
         finally:
             cache.free()
+
+
+def _assisted(model: torch.nn.Module, kwargs: dict) -> bool:
+    """Assisted generation asked for: an assistant model or prompt lookup."""
+    gen_cfg = kwargs.get("generation_config") or model.generation_config
+    lookup = kwargs.get("prompt_lookup_num_tokens", getattr(gen_cfg, "prompt_lookup_num_tokens", None))
+    return kwargs.get("assistant_model") is not None or lookup is not None
 
 
 def _without_cache_implementation(model: torch.nn.Module, kwargs: dict) -> dict:

@@ -36,7 +36,7 @@ class _PagedLayer:
 
     is_sliding = False
     is_compileable = False
-    is_croppable = False
+    is_croppable = True  # PagedCache.crop rolls back every layer at once
 
 
 def _free_rows(pool: KVPool, rows: list[int]) -> None:
@@ -78,8 +78,10 @@ class PagedCache(Cache):
         return self.pool.max_context_len
 
     def crop(self, max_length: int) -> None:
-        """Keep the first ``max_length`` columns (negative: drop the last ``-max_length``), as
-        transformers' caches do; each request gives back the pages past its kept tokens.
+        """Drop the last ``-max_length`` columns when negative (transformers' ``crop(-n)``, what
+        assisted decoding calls after each verify step); ``0`` drops nothing; a positive value
+        keeps the first ``max_length`` columns (transformers' older absolute form). Each
+        request gives back the pages past its kept tokens.
 
         The dropped columns are the newest tokens of every request (pads only lead a prompt),
         so each request loses as many tokens as columns are dropped and its next position
@@ -88,6 +90,8 @@ class PagedCache(Cache):
         """
         if isinstance(max_length, bool) or not isinstance(max_length, int):
             raise InputError(f"crop takes an int number of columns to keep (negative: to drop), got {max_length!r}")
+        if max_length == 0:
+            return
         if max_length < 0:
             max_length = self.columns + max_length
         if max_length >= self.columns:

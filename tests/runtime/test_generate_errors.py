@@ -64,7 +64,6 @@ def test_pool_fills_in_the_middle_of_generation_then_recovers(model):
     [
         (dict(num_beams=2), "beam search"),
         (dict(penalty_alpha=0.6, top_k=4), "contrastive"),
-        (dict(prompt_lookup_num_tokens=3), "assisted"),
         (dict(synced_gpus=True), "synced_gpus"),
     ],
 )
