@@ -88,6 +88,8 @@ class PagedCache(Cache):
         moves back by as many. Raises `InputError`, changing nothing, when a request holds
         fewer tokens than that (the crop would reach into its padding).
         """
+        if isinstance(max_length, torch.Tensor) and max_length.dim() == 0 and not max_length.is_floating_point() and max_length.dtype != torch.bool:
+            max_length = int(max_length)  # transformers 5.17's assisted loop passes a 0-d count
         if isinstance(max_length, bool) or not isinstance(max_length, int):
             raise InputError(f"crop takes an int number of columns to keep (negative: to drop), got {max_length!r}")
         if max_length == 0:
