@@ -19,9 +19,16 @@ from .test_generate import GREEDY, PAD, left_padded_batch
 
 
 def _backends():
+    """torch_native, and Triton where its kernels run: CUDA, or the CPU interpreter when this
+    Triton / numpy pair can run it (`test_triton_interpreter.py` checks the refusal otherwise)."""
     names = ["torch_native"]
-    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    if torch.cuda.is_available():
         names.append("triton")
+    elif os.environ.get("TRITON_INTERPRET") == "1":
+        from attngraph.attn_backends.triton_ops import interpreter_problem
+
+        if interpreter_problem() is None:
+            names.append("triton")
     return names
 
 
