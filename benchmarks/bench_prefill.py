@@ -47,6 +47,14 @@ def llama_8b() -> transformers.LlamaConfig:
     )
 
 
+def random_model(shape: str) -> torch.nn.Module:
+    """The ``"1b"`` (Llama-3.2-1B) or ``"8b"`` (Llama-3-8B) shape with random bf16 weights on CUDA."""
+    torch.manual_seed(0)
+    cfg = llama_1b(16) if shape == "1b" else llama_8b()
+    with torch.device("cuda"):
+        return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+
+
 def gemm_flops_per_s() -> float:
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
@@ -109,10 +117,8 @@ def main() -> None:
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_prefill.py needs a CUDA device (it times bf16 prefill steps and CUDA-graph captures on the GPU)")
-    torch.manual_seed(0)
-    cfg = llama_1b(16) if args.shape == "1b" else llama_8b()
-    with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    model = random_model(args.shape)
+    cfg = model.config
     modes = [m for m in args.modes.split(",") if m]
     backends = [b for b in args.backend.split(",") if b]
     extra = {}

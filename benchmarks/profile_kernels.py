@@ -22,7 +22,6 @@ import sys
 from collections import defaultdict
 
 import torch
-import transformers
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,8 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import attngraph  # noqa: E402
 from attngraph.forward_batch import ForwardBatch  # noqa: E402
 from attngraph.runtime.accelerate import state_of  # noqa: E402
-from bench_generate import llama_1b  # noqa: E402
-from bench_prefill import llama_8b, prefill_step  # noqa: E402
+from bench_prefill import prefill_step, random_model  # noqa: E402
 
 #: Kernel classes, first match wins (names as CUPTI reports them).
 CLASSES = [
@@ -109,10 +107,7 @@ def main() -> None:
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_kernels.py needs a CUDA device")
-    torch.manual_seed(0)
-    config = llama_1b(16) if args.shape == "1b" else llama_8b()
-    with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    model = random_model(args.shape)
     extra = {}
     if args.num_tokens:
         extra["cuda_graph_num_tokens"] = tuple(int(t) for t in args.num_tokens.split(","))
