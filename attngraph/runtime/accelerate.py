@@ -171,6 +171,8 @@ def _check_generate_options(model: torch.nn.Module, state: AcceleratedState, kwa
             "an accelerated assistant_model (pass the assistant unaccelerated, or attngraph.restore(assistant): "
             "it drafts with its own HF cache while this model verifies on the paged runtime)"
         )
+    if _assisted(model, kwargs) and opt("use_cache", True) is False:
+        problems.append("assisted generation with use_cache=False (transformers refuses it too: it crops a cache)")
     if opt("penalty_alpha") is not None and (opt("top_k") or 0) > 1:
         problems.append("contrastive search")
     if kwargs.get("inputs_embeds") is not None:

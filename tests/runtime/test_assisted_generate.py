@@ -81,6 +81,17 @@ def test_an_accelerated_assistant_is_refused_before_any_step():
     assert state_of(model).runner.pool.num_used_pages == 0
 
 
+def test_assisted_without_a_cache_is_refused_as_hf_refuses_it():
+    model, reference = accelerated_pair("llama")
+    ids = repetitive_prompt(model.config.vocab_size, seed=3)
+    kw = dict(prompt_lookup_num_tokens=3, max_new_tokens=4, pad_token_id=PAD, use_cache=False)
+    with pytest.raises(Exception, match="cache"):
+        reference.generate(ids, **kw)
+    with pytest.raises(UnsupportedGenerationError, match="use_cache=False"):
+        model.generate(ids, **kw)
+    assert state_of(model).runner.pool.num_used_pages == 0
+
+
 def test_a_batch_is_refused_by_hf_and_leaves_the_pool_empty():
     model, _ = accelerated_pair("llama")
     ids = torch.cat([repetitive_prompt(model.config.vocab_size, seed=s) for s in (1, 2)])
