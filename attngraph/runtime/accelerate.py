@@ -35,7 +35,7 @@ _STATE_ATTR = "_attngraph_state"
 _RECOMPILE_LIMIT_HIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())
 SUPPORTED_MODES = (
     "greedy decoding and multinomial sampling (temperature, top-k, top-p, logits processors), num_beams=1, "
-    "and assisted generation at batch size 1 (prompt_lookup_num_tokens, or an unaccelerated assistant_model)"
+    "and assisted generation at batch size 1 (prompt_lookup_num_tokens, or an assistant_model, accelerated or not)"
 )
 
 
@@ -165,12 +165,8 @@ def _check_generate_options(model: torch.nn.Module, state: AcceleratedState, kwa
     problems = []
     if (opt("num_beams", 1) or 1) > 1:
         problems.append(f"beam search (num_beams={opt('num_beams')})")
-    assistant = kwargs.get("assistant_model")
-    if assistant is not None and getattr(assistant, _STATE_ATTR, None) is not None:
-        problems.append(
-            "an accelerated assistant_model (pass the assistant unaccelerated, or attngraph.restore(assistant): "
-            "it drafts with its own HF cache while this model verifies on the paged runtime)"
-        )
+    if kwargs.get("assistant_model") is model:
+        problems.append("the model as its own assistant_model (use prompt_lookup_num_tokens, or a smaller draft model)")
     if _assisted(model, kwargs) and opt("use_cache", True) is False:
         problems.append("assisted generation with use_cache=False (transformers refuses it too: it crops a cache)")
     if opt("penalty_alpha") is not None and (opt("top_k") or 0) > 1:
@@ -178,8 +174,17 @@ def _check_generate_options(model: torch.nn.Module, state: AcceleratedState, kwa
     if kwargs.get("inputs_embeds") is not None:
         problems.append("inputs_embeds (pass input_ids)")
     for name in ("cache", "past_key_values"):
-        if kwargs.get(name) is not None:
-            problems.append(f"a user-supplied {name} (the accelerated generate manages its own paged cache)")
+        given = kwargs.get(name)
+        if given is None:
+            continue
+        if not isinstance(given, PagedCache) or given.runner is not state.runner:
+            problems.append(
+                f"a user-supplied {name} (the accelerated generate manages its own paged cache; it takes back only "
+                "the PagedCache an earlier call of this model returned, as transformers' assisted decoding does "
+                "with its assistant)"
+            )
+        elif given.columns > 0 and not given.rows:
+            problems.append(f"a {name} whose pages were already given back (PagedCache.free)")
     if kwargs.get("synced_gpus"):
         problems.append("synced_gpus (one process serves the paged runtime)")
     if kwargs.get("custom_generate") is not None:
@@ -219,8 +224,14 @@ def _generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
     if isinstance(ids, torch.Tensor):
         check_token_ids(ids, state.runner.device, "input_ids")
+    gen_cfg = kwargs.get("generation_config") or model.generation_config
+    given = kwargs.pop("cache", None) or kwargs.pop("past_key_values", None)
+    # The cache outlives the call when the caller threads it on: transformers' assisted decoding
+    # passes the assistant's cache back each round (and crops it); its pages go back to the
+    # pool when the last reference to it is dropped.
+    keep = given is not None or bool(getattr(gen_cfg, "is_assistant", False))
     with state.lock:  # one generate at a time per model: the runner's step state is shared
-        cache = PagedCache(state.runner)
+        cache = given if given is not None else PagedCache(state.runner)
         try:
             # HF prepares everything, then calls attngraph's decoding loop, which checks the
             # prepared call and runs its own loop or HF's (streamers, return_dict_in_generate,
@@ -243,7 +254,8 @@ def _generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
                 "calls. Call attngraph.restore(model) and attngraph.accelerate(model) again after changing the model."
             ) from exc
         finally:
-            cache.free()
+            if not keep:
+                cache.free()
 
 
 def _assisted(model: torch.nn.Module, kwargs: dict) -> bool:

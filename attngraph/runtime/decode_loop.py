@@ -42,6 +42,8 @@ def _eligible(stopping_criteria: StoppingCriteriaList, generation_config, stream
     """None when the fast loop reproduces HF exactly here, else why not."""
     if not isinstance(cache, PagedCache):
         return "no PagedCache"
+    if cache.columns:
+        return "a cache holding earlier tokens (an assistant's, passed back)"
     if streamer is not None:
         return "a streamer"
     if generation_config.return_dict_in_generate:

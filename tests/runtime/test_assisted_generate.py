@@ -58,7 +58,7 @@ def test_prompt_lookup_sampling_draws_what_hf_draws():
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("assistant_seed", [0, 7])  # seed 0: the target itself (always agrees)
+@pytest.mark.parametrize("assistant_seed", [0, 7])  # seed 0: the target's weights (always agrees)
 def test_an_unaccelerated_assistant_drafts_for_the_accelerated_target(assistant_seed):
     model, reference = accelerated_pair("llama")
     assistant = build_model("llama", "sdpa", seed=assistant_seed)
@@ -72,12 +72,41 @@ def test_an_unaccelerated_assistant_drafts_for_the_accelerated_target(assistant_
     assert state_of(model).runner.pool.num_used_pages == 0
 
 
-def test_an_accelerated_assistant_is_refused_before_any_step():
+@pytest.mark.parametrize("accelerate_target", [True, False])
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_an_accelerated_assistant_drafts_on_its_own_pool(accelerate_target, do_sample):
+    """The assistant's paged cache lives across the rounds (transformers passes it back and
+    crops it) and its pages return to the pool once the call is over."""
+    target = build_model("llama", "sdpa", seed=0)
+    reference = copy.deepcopy(target)
+    if accelerate_target:
+        attngraph.accelerate(target, attention_backend="torch_native", page_size=4)
+    draft = build_model("llama", "sdpa", seed=6)
+    draft.generation_config.num_assistant_tokens = 3
+    draft_reference = copy.deepcopy(draft)
+    attngraph.accelerate(draft, attention_backend="torch_native", page_size=4)
+    ids = repetitive_prompt(target.config.vocab_size, seed=5)
+    kw = dict(max_new_tokens=12, do_sample=do_sample, temperature=0.8, pad_token_id=PAD, eos_token_id=None)
+    torch.manual_seed(8)
+    with torch.no_grad():
+        want = reference.generate(ids, assistant_model=draft_reference, **kw)
+    torch.manual_seed(8)
+    got = target.generate(ids, assistant_model=draft, **kw)
+    assert torch.equal(got, want)
+    draft_pool = state_of(draft).runner.pool
+    assert draft_pool.num_used_pages == 0 and draft_pool.num_active_requests == 0
+    assert state_of(draft).runner.num_compilations == 1
+
+
+def test_a_foreign_or_freed_cache_is_refused():
     model, _ = accelerated_pair("llama")
-    assistant = attngraph.accelerate(build_model("llama", "sdpa", seed=3), attention_backend="torch_native")
+    other, _ = accelerated_pair("llama", seed=1)
     ids = repetitive_prompt(model.config.vocab_size, seed=3)
-    with pytest.raises(UnsupportedGenerationError, match="accelerated assistant_model"):
-        model.generate(ids, assistant_model=assistant, max_new_tokens=4, pad_token_id=PAD)
+    foreign = attngraph.runtime.paged_cache.PagedCache(state_of(other).runner)
+    with pytest.raises(UnsupportedGenerationError, match="user-supplied"):
+        model.generate(ids, max_new_tokens=3, pad_token_id=PAD, **{state_of(model).cache_kwarg: foreign})
+    with pytest.raises(UnsupportedGenerationError, match="own assistant_model"):
+        model.generate(ids, assistant_model=model, max_new_tokens=3, pad_token_id=PAD)
     assert state_of(model).runner.pool.num_used_pages == 0
 
 
