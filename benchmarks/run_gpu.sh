@@ -6,6 +6,7 @@
 #   bash benchmarks/run_gpu.sh tests   # every `gpu` test, soak included (ATTNGRAPH_GPU_SOAK_STEPS)
 #   bash benchmarks/run_gpu.sh bench   # kernel benchmark, then end-to-end generate benchmark
 #   bash benchmarks/run_gpu.sh prefill # prefill steps per CUDA-graph mode, then accelerate() alone
+#   bash benchmarks/run_gpu.sh kernels # kernels per prefill / decode step, by class and name
 #   QUICK=1 ...                        # shorter benchmark: quick kernel shapes, batch 1 only
 set -u
 OUT=${OUT:-benchmarks/results}
@@ -33,6 +34,13 @@ if [ "$stage" = prefill ]; then
         timeout 120 python3 benchmarks/bench_prefill.py --setup-only --shape $shape --modes full_and_piecewise \
             --out "$OUT/setup_$shape.json" > "$OUT/setup_$shape.log" 2>&1
         echo "setup $shape rc=$?" >> "$OUT/device.txt"
+    done
+fi
+if [ "$stage" = kernels ]; then
+    for backend in triton flashinfer; do
+        timeout 200 python3 benchmarks/profile_kernels.py --backend $backend --tokens 128,1024 \
+            --out "$OUT/kernels_$backend.json" > "$OUT/kernels_$backend.txt" 2>&1
+        echo "profile_kernels $backend rc=$?" >> "$OUT/device.txt"
     done
 fi
 echo "done" >> "$OUT/device.txt"
