@@ -55,6 +55,16 @@ def random_model(shape: str) -> torch.nn.Module:
         return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
 
 
+def result_header(script: str, **fields) -> dict:
+    """The fields every benchmark JSON starts with: the command, the device, torch."""
+    return {
+        "command": f"python benchmarks/{script} " + " ".join(sys.argv[1:]),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        **fields,
+    }
+
+
 def gemm_flops_per_s() -> float:
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")

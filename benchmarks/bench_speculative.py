@@ -31,18 +31,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import attngraph  # noqa: E402
 from attngraph.runtime.accelerate import state_of  # noqa: E402
 from attngraph.runtime.paged_cache import PagedCache  # noqa: E402
-from bench_prefill import random_model  # noqa: E402
+from bench_prefill import random_model, result_header  # noqa: E402
+from profile_decode import per_call_ms as _per_call_ms  # noqa: E402
 
 
-def per_call_ms(fn, iters: int = 30, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters * 1e3
+def per_call_ms(fn) -> float:
+    return _per_call_ms(fn, 30, warmup=3)
+
 
 
 def step_costs(model, k: int, context: int) -> dict:
@@ -100,15 +95,10 @@ def main() -> None:
     opts = dict(attention_backend=args.backend)
     target = attngraph.accelerate(random_model(args.target), **opts)
     draft = attngraph.accelerate(random_model("1b"), **opts)
-    result = {
-        "command": "python benchmarks/bench_speculative.py " + " ".join(sys.argv[1:]),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "backend": args.backend,
-        "k": args.k,
-        "target": step_costs(target, args.k, 128),
-        "draft": step_costs(draft, args.k, 128),
-    }
+    result = result_header(
+        "bench_speculative.py", backend=args.backend, k=args.k,
+        target=step_costs(target, args.k, 128), draft=step_costs(draft, args.k, 128),
+    )
     t, d = result["target"], result["draft"]
     result["verify_over_decode"] = t["verify_ms"] / t["decode_ms"]
     result["draft_k_steps_over_one"] = d["k_decodes_ms"] / d["decode_ms"]

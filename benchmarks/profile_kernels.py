@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import attngraph  # noqa: E402
 from attngraph.forward_batch import ForwardBatch  # noqa: E402
 from attngraph.runtime.accelerate import state_of  # noqa: E402
-from bench_prefill import prefill_step, random_model  # noqa: E402
+from bench_prefill import prefill_step, random_model, result_header  # noqa: E402
 
 #: Kernel classes, first match wins (names as CUPTI reports them).
 CLASSES = [
@@ -114,16 +114,10 @@ def main() -> None:
     attngraph.accelerate(model, cuda_graph=args.mode, attention_backend=args.backend, trace_tokens=args.trace_tokens, **extra)
     runner = state_of(model).runner
     vocab = model.config.vocab_size
-    result = {
-        "command": "python benchmarks/profile_kernels.py " + " ".join(sys.argv[1:]),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "shape": args.shape,
-        "backend": args.backend,
-        "mode": args.mode,
-        "trace_tokens": runner.trace_tokens(),
-        "steps": {},
-    }
+    result = result_header(
+        "profile_kernels.py", shape=args.shape, backend=args.backend, mode=args.mode,
+        trace_tokens=runner.trace_tokens(), steps={},
+    )
     for n in [int(t) for t in args.tokens.split(",") if t]:
         step, free = prefill_step(runner, 1, n, vocab)
         result["steps"][f"prefill_1x{n}"] = kernel_table(step)
