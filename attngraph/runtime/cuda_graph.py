@@ -21,7 +21,7 @@ import torch
 from ..errors import CaptureError
 from ..forward_batch import ForwardBatch, ForwardMode
 from ..forward_context import ForwardContext, use_forward_context
-from .graph_memory import non_owning
+from .graph_memory import capture_step
 
 logger = logging.getLogger(__name__)
 
@@ -94,10 +94,11 @@ class DecodeGraphRunner:
         with use_forward_context(ForwardContext(self.backend, batch)):
             return self.runner.ragged(batch.input_ids, batch.positions, self.logits_indices[:bs])
 
-    def capture(self, progress=None) -> None:
-        """Capture every size, largest first (``progress``: a tqdm bar, updated per size)."""
+    def capture(self, progress=None, stream: "torch.cuda.Stream | None" = None) -> None:
+        """Capture every size, largest first (``progress``: a tqdm bar, updated per size;
+        ``stream``: the capture stream the model's runners share)."""
         self.backend.init_cuda_graph_state(self.max_bs, self.max_bs)
-        stream = torch.cuda.Stream()
+        stream = stream if stream is not None else torch.cuda.Stream()
         sizes = sorted(self.sizes, reverse=True)  # largest first: later graphs reuse its pool memory
         for bs in sizes:
             if progress is not None:
@@ -106,18 +107,11 @@ class DecodeGraphRunner:
             key = GraphKey(ForwardMode.DECODE, bs)
             try:
                 self.backend.init_forward_metadata_out_graph(batch, in_capture=True)
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    for _ in range(2):  # warm-up: compile, autotune and allocate outside the capture
-                        self._step(batch)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.mempool, stream=stream):
-                    out = self._step(batch)
+                graph, out = capture_step(lambda: self._step(batch), stream, self.mempool)
             except Exception as exc:
                 raise CaptureError(f"capturing the decode graph of batch size {bs} failed: {exc}") from exc
             self.graphs[key] = graph
-            self.outputs[key] = non_owning(out)  # the pool memory stays the graph's; smaller sizes may reuse it
+            self.outputs[key] = out  # non-owning: the pool memory stays the graph's; smaller sizes may reuse it
             if progress is not None:
                 progress.update(1)
             if self.debug:

@@ -35,7 +35,7 @@ import torch
 from ..errors import CaptureError
 from ..forward_batch import ForwardBatch, ForwardMode
 from ..forward_context import ForwardContext, use_forward_context
-from .graph_memory import non_owning
+from .graph_memory import capture_step
 
 logger = logging.getLogger(__name__)
 
@@ -171,9 +171,10 @@ class ExtendGraphRunner:
             return self.runner.ragged(static.input_ids, static.positions, self.logits_indices[:s])
 
     # ------------------------------------------------------------------ capture
-    def capture(self, progress=None) -> None:
-        """Capture every bucket, largest first, into the shared pool (``progress``: a tqdm bar)."""
-        stream = torch.cuda.Stream()
+    def capture(self, progress=None, stream: "torch.cuda.Stream | None" = None) -> None:
+        """Capture every bucket, largest first, into the shared pool (``progress``: a tqdm bar;
+        ``stream``: the capture stream the model's runners share)."""
+        stream = stream if stream is not None else torch.cuda.Stream()
         if self.mempool is None:
             self.mempool = torch.cuda.graph_pool_handle()
         for size in sorted(self.sizes, reverse=True):
@@ -182,18 +183,11 @@ class ExtendGraphRunner:
             static = self.stage(None, size)
             try:
                 self.backend.init_forward_metadata_out_graph(static, in_capture=True)
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    for _ in range(2):  # warm-up: kernels compiled and autotuned for this size
-                        self.step(static)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.mempool, stream=stream):
-                    out = self.step(static)
+                graph, out = capture_step(lambda: self.step(static), stream, self.mempool)
             except Exception as exc:
                 raise CaptureError(f"capturing the prefill graph of {size} tokens failed: {exc}") from exc
             self.graphs[size] = graph
-            self.outputs[size] = non_owning(out)
+            self.outputs[size] = out
             if progress is not None:
                 progress.update(1)
         torch.cuda.synchronize()

@@ -1,4 +1,4 @@
-"""Graph-pool helpers shared by the decode and piecewise graph runners.
+"""Graph-pool and capture helpers shared by the decode, prefill and piecewise graph runners.
 
 Every graph of a model is captured into one private memory pool, largest size first. A
 graph's outputs live in that pool; holding them as ordinary tensors would keep each graph's
@@ -9,6 +9,8 @@ never overlap, and each replay rewrites its outputs before they are read.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -41,3 +43,23 @@ def non_owning_tree(value):
 def pool_bytes(device: torch.device) -> int:
     """Bytes the caching allocator holds on ``device`` (graph pools included)."""
     return int(torch.cuda.memory_reserved(device))
+
+
+def capture_step(step: Callable[[], torch.Tensor], stream: torch.cuda.Stream, mempool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Record ``step()`` as a CUDA graph on ``stream`` into ``mempool``; returns the graph and
+    a non-owning view of its output.
+
+    ``step`` runs twice on ``stream`` first, outside the capture: kernels are compiled and
+    autotuned for the size, and lazily created state (cuBLAS's workspace, which belongs to a
+    stream, Triton's launchers) exists before recording. The runners of one model share one
+    ``stream``: every stream that runs a GEMM keeps a cuBLAS workspace (32 MiB on Hopper).
+    """
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=mempool, stream=stream):
+        out = step()
+    return graph, non_owning_tree(out)

@@ -247,7 +247,7 @@ class ModelRunner:
 
     def _capture_graphs(self) -> None:
         """Capture what ``graph_mode`` asks for into one memory pool, largest first: the
-        token buckets (up to 512 tokens by default), then the decode batch sizes.
+        token buckets (up to 1024 tokens by default), then the decode batch sizes.
 
         In ``full`` and ``full_and_piecewise`` a backend that captures extend attention
         (``graph_support["extend"] == FULL``) gets whole-step graphs per token bucket
@@ -280,12 +280,13 @@ class ModelRunner:
         torch.cuda.synchronize()
         start, before = time.perf_counter(), pool_bytes(self.device)
         mempool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)  # one capture stream: one cuBLAS workspace
         pieces = decode = extend = None
         if extend_full:
             extend = ExtendGraphRunner(self, cfg.cuda_graph_num_tokens, mempool=mempool, debug=debug)
         elif mode in PIECEWISE_MODES:
             state = self._piecewise_state
-            state.mempool, state.stream = mempool, torch.cuda.Stream(self.device)
+            state.mempool, state.stream = mempool, stream
             pieces = PiecewiseGraphRunner(self, state, cfg.cuda_graph_num_tokens)
         if full:
             decode = DecodeGraphRunner(self, cfg.cuda_graph_capture_sizes, debug=debug, mempool=mempool)
@@ -293,7 +294,7 @@ class ModelRunner:
         with tqdm(total=total, desc="attngraph: capturing CUDA graphs", unit="size", leave=False) as bar:
             for r in (extend, pieces, decode):
                 if r is not None:
-                    r.capture(bar)
+                    r.capture(bar, stream=stream)
         self.piecewise, self.graphs, self.extend_graphs = pieces, decode, extend
         torch.cuda.synchronize()
         logger.info(

@@ -75,9 +75,12 @@ class PiecewiseGraphRunner:
             kv_pool=pool,
         )
 
-    def capture(self, progress=None) -> None:
-        """Record every static piece for each bucket, largest first (``progress``: a tqdm bar)."""
+    def capture(self, progress=None, stream: "torch.cuda.Stream | None" = None) -> None:
+        """Record every static piece for each bucket, largest first (``progress``: a tqdm bar;
+        ``stream``: the capture stream, else the state's)."""
         state = self.state
+        if stream is not None:
+            state.stream = stream
         backend = self.runner.backend
         self.input_ids.zero_()
         self.positions.zero_()
