@@ -20,8 +20,8 @@ def default_capture_sizes() -> tuple[int, ...]:
 
 
 def default_num_tokens() -> tuple[int, ...]:
-    """Token counts the piecewise graphs are captured for: powers of two from 8 to 512."""
-    return (8, 16, 32, 64, 128, 256, 512)
+    """Token counts the prefill graphs are captured for: powers of two from 8 to 1024."""
+    return (8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 @dataclass(frozen=True)
@@ -32,8 +32,8 @@ class CompileConfig:
     ----------
     attention_backend:
         Name of a registered attention backend (``"torch_native"``, ``"triton"``,
-        ``"flashinfer"``) or ``"auto"``: FlashInfer when importable on CUDA, else Triton on
-        CUDA, else torch_native.
+        ``"flashinfer"``) or ``"auto"``: Triton on CUDA (its prefill steps run as whole CUDA
+        graphs), else FlashInfer on CUDA, else torch_native.
     prefill_attention_backend, decode_attention_backend:
         Override the backend for prefill (EXTEND/MIXED) or DECODE steps only; when they differ
         a `HybridBackend` routes by mode. ``None`` inherits ``attention_backend``.

@@ -158,7 +158,7 @@ def create_attention_backend(
     object (a `CompileConfig`) carrying the three fields, in which case the other two
     arguments must be left out. ``None`` for the prefill or decode name inherits
     ``attention_backend``. A config's ``deterministic`` goes to backends that take it. Names are resolved (``"auto"`` included) before comparing, so
-    ``("auto", decode="flashinfer")`` on a machine where auto picks FlashInfer gives one
+    ``("auto", decode="triton")`` on a machine where auto picks Triton gives one
     backend. Raises `BackendUnavailableError` naming the alternatives when a name cannot serve
     ``spec``.
     """
