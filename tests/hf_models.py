@@ -98,6 +98,17 @@ ARCHS: dict[str, tuple[str, dict, tuple[str, ...]]] = {
              eos_token_id=2, **MOE),
         BOTH,
     ),
+    "gpt_oss": (  # attention sinks, sliding and full layers, MoE; transformers has eager attention only
+        "GptOssConfig",
+        dict(num_key_value_heads=2, head_dim=16, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+             layer_types=["sliding_attention", "full_attention"]),
+        ("eager",),
+    ),
+}
+
+# Parameters an architecture initializes to values that would hide a mishandled feature.
+_POST_INIT = {
+    "gpt_oss": lambda model: [layer.self_attn.sinks.data.normal_() for layer in model.model.layers],  # zeros
 }
 
 
@@ -111,6 +122,9 @@ def build_model(arch: str, impl: str, seed: int = 0, dtype: torch.dtype = torch.
     torch.manual_seed(seed)
     cfg = tiny_config(arch)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl, dtype=dtype)
+    if arch in _POST_INIT:
+        with torch.no_grad():
+            _POST_INIT[arch](model)
     return model.eval()
 
 

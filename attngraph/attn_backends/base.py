@@ -48,6 +48,9 @@ class AttentionLayer:
     ``i - window_left <= j <= i``; a non-causal one sees ``|j - i| <= window_left``
     (``-1``: no window). ``logit_cap``: ``cap * tanh(s / cap)`` applied to the scaled scores
     (``0``: none). ``causal=False`` means every query sees every key of its request.
+    ``sinks``: ``[Hq]`` attention-sink logits (GPT-OSS), in the units of the scaled scores:
+    each joins its head's softmax as one more key without a value (None: no sinks). A tensor
+    the op receives per call, so it takes no part in comparing or hashing layers.
     """
 
     layer_id: int
@@ -59,6 +62,7 @@ class AttentionLayer:
     causal: bool = True
     window_left: int = -1
     logit_cap: float = 0.0
+    sinks: "torch.Tensor | None" = field(default=None, compare=False, hash=False, repr=False)
 
     @property
     def gqa_group(self) -> int:
@@ -83,6 +87,8 @@ class ModelAttentionSpec:
     #: form of multi-head latent attention: DeepSeek V2/V3 keys of 192, values of 128); None
     #: when they are equal, and in the stateless form.
     v_head_dim: int | None = None
+    #: Some layer joins per-head sink logits to its softmax (GPT-OSS).
+    uses_sinks: bool = False
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,8 @@ class BackendCapabilities:
     dense: bool = True  # serves the stateless (no ForwardContext batch) form
     #: Serves a paged pool whose values have another head dim than its keys, in every mode.
     distinct_v_head_dim: bool = True
+    #: Serves attention sinks (`AttentionLayer.sinks`) in every mode.
+    sinks: bool = True
     #: Appended to a "runs on ..., not <device>" refusal: how to get the missing device support.
     device_hint: str = ""
     graph_support: dict[str, GraphSupport] = field(
@@ -126,6 +134,8 @@ class BackendCapabilities:
             return "does not support non-causal attention"
         if spec.v_head_dim is not None and not self.distinct_v_head_dim:
             return f"does not serve a paged cache whose values ({spec.v_head_dim}) are narrower or wider than its keys"
+        if spec.uses_sinks and not self.sinks:
+            return "does not support attention sinks (per-head logits joined to the softmax)"
         return None
 
 

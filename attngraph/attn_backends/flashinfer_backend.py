@@ -209,6 +209,7 @@ class FlashInferBackend(AttentionBackend):
         dense=True,
         # Its paged decode kernels take one head dim for K and V ("auto" then picks Triton).
         distinct_v_head_dim=False,
+        sinks=False,  # no sink-logit input to its paged decode and prefill wrappers as used here
         graph_support={"decode": GraphSupport.FULL, "extend": GraphSupport.PIECEWISE},
     )
 

@@ -37,15 +37,22 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
-    """``softmax(cap(scale * q k^T) | mask) v`` with a bool ``mask`` broadcastable to ``[..., Hq, Sq, Sk]``."""
-    if layer.logit_cap > 0:
+    """``softmax(cap(scale * q k^T) | mask [, sinks]) v`` with a bool ``mask`` broadcastable to
+    ``[..., Hq, Sq, Sk]``. Sinks (``layer.sinks: [Hq]``) are one more softmax column per head
+    whose probability is dropped: they take weight from the keys and give no value."""
+    if layer.logit_cap > 0 or layer.sinks is not None:
         group = q.shape[-3] // k.shape[-3]
         kr = k.repeat_interleave(group, dim=-3).float()
         vr = v.repeat_interleave(group, dim=-3).float()
         s = torch.matmul(q.float(), kr.transpose(-1, -2)) * layer.scale
-        s = layer.logit_cap * torch.tanh(s / layer.logit_cap)
+        if layer.logit_cap > 0:
+            s = layer.logit_cap * torch.tanh(s / layer.logit_cap)
         s = s.masked_fill(~mask, float("-inf"))
-        return torch.matmul(torch.softmax(s, dim=-1), vr).to(q.dtype)
+        if layer.sinks is None:
+            return torch.matmul(torch.softmax(s, dim=-1), vr).to(q.dtype)
+        sink = layer.sinks.float().view(-1, 1, 1).expand(*s.shape[:-1], 1)  # [..., Hq, Sq, 1]
+        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+        return torch.matmul(p, vr).to(q.dtype)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=q.shape[-3] != k.shape[-3]
     )

@@ -139,6 +139,7 @@ class AttnGraphBackend:
             page_size=self.config.page_size,
             uses_window=any(s.window_left >= 0 for s in lowered),
             uses_logit_cap=any(not isinstance(s.logit_cap, float) or s.logit_cap > 0 for s in lowered),
+            uses_sinks=any(s.sinks is not None for s in lowered),
             non_causal=any(not s.causal for s in lowered),
         )
         backend = create_backend(self.config.attention_backend, spec)

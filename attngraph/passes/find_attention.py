@@ -6,14 +6,16 @@ Two forms are recognized:
   enable_gqa)``, with or without HF's repeat_kv chain in front of k/v;
 * eager: ``matmul(q, k.transpose(-2, -1))``, scale by mul/div (of the scores or of q; of
   the scores also in place, ``s /= c``), optional softcap ``cap * tanh(s / cap)``, optional
-  mask add, ``softmax(-1)`` with or without an fp32 upcast and cast back, dropout, a
-  same-shape view, ``matmul(p, v)``.
+  mask add, optional attention sinks (GPT-OSS: a per-head parameter appended as one more
+  column of scores, the row maximum subtracted, its probability dropped after the softmax),
+  ``softmax(-1)`` with or without an fp32 upcast and cast back, dropout, a same-shape view,
+  ``matmul(p, v)``.
 
 A softmax over keys multiplied with values that does not fit these forms (an ALiBi bias added
 to the scores, Bloom's ``baddbmm`` on ``[B*H, S, D]``) is reported as a refused site with the
 reason, and so is any other softmax over the last dimension of scores that come from a product
-of two activations (GPT-OSS's sink logits concatenated to the scores), so that the paged
-runtime fails loudly instead of missing a cross-token op and `explain` shows every site.
+of two activations, so that the paged runtime fails loudly instead of missing a cross-token op
+and `explain` shows every site.
 
 Before/after (this pass only reads the graph)::
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 from typing import Any, Iterable
 
 import torch
@@ -173,7 +176,7 @@ def _match_eager(gm: fx.GraphModule, softmax: fx.Node) -> AttentionSite | None:
     if shape is None or len(shape) != 4 or dim not in (-1, 3):
         return None
     # Downward: softmax -> [cast] -> [dropout] -> [same-shape view] -> matmul(p, v)
-    p, out, reshaped = softmax, None, None
+    p, out, reshaped, sink_slice = softmax, None, None, None
     while True:
         users = list(p.users)
         if len(users) != 1:
@@ -181,6 +184,9 @@ def _match_eager(gm: fx.GraphModule, softmax: fx.Node) -> AttentionSite | None:
         u = users[0]
         if fu.is_op(u, fu.CAST) or fu.is_op(u, fu.CONTIGUOUS) or fu.is_op(u, fu.DROPOUT):
             p = u
+            continue
+        if sink_slice is None and _drops_last_column(u, p):
+            sink_slice = p = u
             continue
         if (fu.is_op(u, fu.RESHAPE) or fu.is_op(u, fu.FLATTEN)) and u.args[0] is p:
             if not _same_shape(fu.shape_of(u), shape):
@@ -204,7 +210,15 @@ def _match_eager(gm: fx.GraphModule, softmax: fx.Node) -> AttentionSite | None:
             f"eager attention in an unsupported layout: the probabilities are reshaped to "
             f"{_show_shape(fu.shape_of(where))} before the product with the values ({where.name}){why}"
         )
-    # Upward: [cast] [mask add] [softcap] [scale]* matmul(q [*scale], k^T)
+    # Upward: [sink column: cat(., sinks) - max] [cast] [mask add] [softcap] [scale]* matmul(q [*scale], k^T)
+    sinks = None
+    if sink_slice is not None:
+        peeled = _peel_sinks(x)
+        if isinstance(peeled, str):
+            if not _attention_shaped(x, out):
+                return None
+            return site.refuse(peeled)
+        x, sinks = peeled
     x = _skip_casts(x)
     mask = None
     scores = None
@@ -253,7 +267,7 @@ def _match_eager(gm: fx.GraphModule, softmax: fx.Node) -> AttentionSite | None:
         if not _attention_shaped(x, out) or fu.example_value(kt) is None or fu.example_value(kt).dim() != 4:
             return None
         return site.refuse(f"the key operand of q @ k^T is not a transposed [B, H, S, D] key ({_producer(kt)})")
-    site.q, site.mask, site.scale, site.logit_cap = q, mask, scale, cap
+    site.q, site.mask, site.scale, site.logit_cap, site.sinks = q, mask, scale, cap, sinks
     site.k, n_rep_k, why_k = peel_repeat_kv(gm, k_fed)
     site.v, n_rep_v, why_v = peel_repeat_kv(gm, out.args[1])
     site.extra.update(is_causal=False, gqa_explicit=n_rep_k > 1, softmax=softmax)
@@ -279,11 +293,96 @@ def _match_eager(gm: fx.GraphModule, softmax: fx.Node) -> AttentionSite | None:
     return site
 
 
+# --------------------------------------------------------------------------- attention sinks
+# GPT-OSS joins a learned logit per head to each row of scores and drops its probability:
+#     combined = cat([scores, sinks.reshape(1, -1, 1, 1).expand(b, -1, q_len, -1)], dim=-1)
+#     probs = softmax(combined - combined.max(-1, keepdim=True).values, -1)[..., :-1]
+# Subtracting a row's own maximum does not change its softmax (the sink keeps it finite), and
+# the sink column is the op's ``sinks`` argument: sinks[h] for every row of head h.
+
+#: Ops that keep the order of a tensor's elements (sinks ``[H]`` -> ``[1, H, 1, 1]``).
+_ORDER_KEEPING = fu.RESHAPE | fu.CAST | fu.CONTIGUOUS | {"unsqueeze", torch.unsqueeze}
+
+
+def _drops_last_column(node: fx.Node, of: fx.Node) -> bool:
+    """``node = of[..., :-1]``."""
+    if not fu.is_op(node, fu.GETITEM) or node.args[0] is not of:
+        return False
+    index = node.args[1]
+    if not isinstance(index, tuple) or len(index) != 2 or index[0] is not Ellipsis:
+        return False
+    last = index[1]
+    return isinstance(last, slice) and last.start is None and last.stop == -1 and last.step in (None, 1)
+
+
+def _row_max_of(node: Any, x: fx.Node) -> bool:
+    """``node`` is the maximum of ``x`` over its last dim, kept: ``x.max(-1, keepdim=True)[0]``
+    (or ``.values``) or ``x.amax(-1, keepdim=True)``."""
+    if not isinstance(node, fx.Node):
+        return False
+    if fu.is_op(node, fu.GETITEM) and node.args[1] == 0 or node.op == "call_function" and node.target is getattr and node.args[1] == "values":
+        node = node.args[0]
+        if not fu.is_op(node, {"max", torch.max}):
+            return False
+    elif not fu.is_op(node, {"amax", torch.amax}):
+        return False
+    if node.args[0] is not x:
+        return False
+    dim = fu.arg(node, 1, "dim", None)
+    keep = fu.arg(node, 2, "keepdim", False)
+    rank = len(fu.shape_of(x) or ())
+    return keep is True and isinstance(dim, int) and rank > 0 and dim % rank == rank - 1
+
+
+def _peel_sinks(x: Any) -> tuple[fx.Node, fx.Node] | str:
+    """``(scores, sinks)`` for softmax input ``x`` = ``cat([scores, sink column]) [- row max]``,
+    where the sink column is a parameter ``[H]`` laid out as ``[B, H, S, 1]``; else the reason."""
+    x = _skip_casts(x)
+    if fu.is_op(x, {operator.sub, torch.sub, "sub"}) and len(x.args) == 2 and _row_max_of(x.args[1], x.args[0]):
+        x = _skip_casts(x.args[0])
+    if not fu.is_op(x, _CAT):
+        return f"the probabilities drop their last column, but the softmax input is not a concatenation ({_producer(x)})"
+    parts = fu.arg(x, 0, "tensors", None)
+    dim = fu.arg(x, 1, "dim", 0)
+    shape = fu.shape_of(x)
+    if not isinstance(parts, (list, tuple)) or len(parts) != 2 or shape is None or not isinstance(dim, int) or dim % len(shape) != len(shape) - 1:
+        return f"{x.name} does not append one column to the scores"
+    scores, column = parts
+    col_shape, s_shape = fu.shape_of(column), fu.shape_of(scores)
+    if col_shape is None or s_shape is None or len(col_shape) != 4 or len(s_shape) != 4 or col_shape[3] != 1:
+        return f"the column appended by {x.name} is not [B, H, S, 1]"
+    heads = fu.size_hint(s_shape[1])
+    # Downward from the parameter: order-keeping reshapes to [1, H, 1, 1], then expands only.
+    chain, n = [], column
+    while isinstance(n, fx.Node) and (fu.is_op(n, _ORDER_KEEPING) or fu.is_op(n, fu.EXPAND)):
+        chain.append(n)
+        n = n.args[0]
+    root_val = fu.example_value(n)
+    if not isinstance(n, fx.Node) or not _is_parameter(n) or not isinstance(root_val, torch.Tensor) or tuple(root_val.shape) != (heads,):
+        return f"the column appended by {x.name} is not a per-head parameter of {heads} values ({_producer(n)})"
+    expanded = False
+    for step in reversed(chain):  # from the parameter down to the column
+        if fu.is_op(step, fu.EXPAND):
+            expanded = True
+        elif expanded and not fu.is_op(step, fu.CAST | fu.CONTIGUOUS):
+            return f"the sink column is reshaped after it is expanded ({step.name})"
+        elif not expanded:
+            sh = fu.shape_of(step)
+            if sh is not None and len(sh) == 4 and [fu.size_hint(d) for d in sh] != [1, heads, 1, 1]:
+                return f"the sinks are laid out as {_show_shape(sh)}, not [1, {heads}, 1, 1] ({step.name})"
+    return scores, n
+
+
+def _is_parameter(n: fx.Node) -> bool:
+    if n.op == "get_attr":
+        return True
+    return n.op == "placeholder" and (isinstance(fu.example_value(n), torch.nn.Parameter) or "_parameters_" in n.name)
+
+
 # --------------------------------------------------------------------------- unmatched softmax
 # A softmax over keys of scores computed as a product of two activations is attention, whatever
-# happens around it. When the matchers above do not accept it (GPT-OSS concatenates its sink
-# logits to the scores and slices the probabilities back), it is still reported, refused with
-# what was seen: the paged runtime must fail loudly on it and `explain` must show it.
+# happens around it. When the matchers above do not accept it, it is still reported, refused
+# with what was seen: the paged runtime must fail loudly on it and `explain` must show it.
 
 #: Ops an upward walk from the scores does not cross: they start another computation.
 _WALK_STOPS = {torch.nn.functional.linear, torch._C._nn.linear, "linear", torch.nn.functional.embedding,
@@ -348,8 +447,9 @@ def _unmatched_attention(softmax: fx.Node, activations: set[fx.Node], depth: int
         extra = [a for a in (cat.args[0] if cat.args and isinstance(cat.args[0], (list, tuple)) else []) if a not in path]
         what = ", ".join(a.name for a in extra if isinstance(a, fx.Node)) or "another tensor"
         return site.refuse(
-            f"sink logits concatenated to the scores before the softmax ({cat.name} = cat(scores, {what})): "
-            "the attention op has no attention sinks"
+            f"a column concatenated to the scores before the softmax ({cat.name} = cat(scores, {what})) in a form "
+            "the attention-sink match does not accept (a per-head parameter appended last, its probability "
+            "dropped by [..., :-1] before the values)"
         )
     users = list(softmax.users)
     return site.refuse(

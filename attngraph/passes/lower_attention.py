@@ -47,10 +47,10 @@ def lower_attention(gm: fx.GraphModule, sites: list[AttentionSite]) -> int:
             k_t = _ragged(graph, site.k, site.num_kv_heads, site.head_dim)
             v_t = _ragged(graph, site.v, site.num_kv_heads, site.v_head_dim)
             scale = _scale_arg(graph, site)
-            out = graph.call_function(
-                ATTENTION_OP,
-                (q_t, k_t, v_t, site.layer_id, scale, site.causal, site.window_left, site.logit_cap, bsz),
-            )
+            args = (q_t, k_t, v_t, site.layer_id, scale, site.causal, site.window_left, site.logit_cap, bsz)
+            if site.sinks is not None:
+                args += (graph.call_method("reshape", (site.sinks, -1)),)  # [Hq]
+            out = graph.call_function(ATTENTION_OP, args)
             out = graph.call_method("view", (out, bsz, q_len, site.num_q_heads, site.v_head_dim))
             out = graph.call_method("transpose", (out, 1, 2))  # [B, Hq, Sq, Dv]
         out.meta["nn_module_stack"] = dict(node.meta.get("nn_module_stack", {}))

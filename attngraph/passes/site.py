@@ -40,6 +40,8 @@ class AttentionSite:
     mask: fx.Node | None = None
     scale: ScaleExpr | None = None
     logit_cap: float | fx.Node = 0.0
+    #: ``[Hq]`` attention-sink logits (a parameter node), joined to each head's softmax.
+    sinks: fx.Node | None = None
     causal: bool = True
     window_left: int = -1
     num_q_heads: int = 0
@@ -77,6 +79,8 @@ class AttentionSite:
         if isinstance(self.logit_cap, fx.Node) or self.logit_cap:
             cap = self.logit_cap.name if isinstance(self.logit_cap, fx.Node) else f"{self.logit_cap:g}"
             parts.append(f"softcap={cap}")
+        if self.sinks is not None:
+            parts.append("sinks")
         if self.num_kv_heads and self.num_q_heads != self.num_kv_heads:
             parts.append(f"gqa={self.num_q_heads}/{self.num_kv_heads}")
         if self.scale is not None:

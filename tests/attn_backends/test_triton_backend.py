@@ -268,6 +268,42 @@ def test_dense_matches_reference(b, sq, sk, causal, window, cap):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
+# ----------------------------------------------------------------------------- attention sinks
+def _with_sinks(layer, seed):
+    """``layer`` with random per-head sink logits (some far above the scores: they must win)."""
+    gen = torch.Generator().manual_seed(seed)
+    sinks = torch.randn(layer.num_q_heads, generator=gen) * 3
+    sinks[0] = 20.0
+    return dataclasses.replace(layer, sinks=sinks.to(DEVICE))
+
+
+@pytest.mark.parametrize("prefix,extend,window,bound", [([0, 6], [9, 4], -1, None), ([13, 2], [5, 20], 7, None), ([3, 0], [11, 6], -1, 32)])
+def test_extend_with_sinks_matches_reference(prefix, extend, window, bound):
+    pool, batch, q, k, v = make_step(prefix, extend, hq=4, hkv=2, d=16, page_size=4, dtype=torch.float32, seed=len(prefix) + sum(extend))
+    if bound is not None:
+        batch = dataclasses.replace(batch, static_max_extend_len=bound)
+    run_and_check(TritonBackend(), q, k, v, _with_sinks(layer_for(4, 2, 16, window_left=window), 1), batch)
+
+
+@pytest.mark.parametrize("window,cap", [(-1, 0.0), (5, 0.0), (-1, 3.0)])
+def test_decode_with_sinks_matches_reference(window, cap):
+    seq_lens = [1, 19, 40]
+    pool, batch, q, k, v = make_step([s - 1 for s in seq_lens], [1] * 3, hq=8, hkv=2, d=16, page_size=4, dtype=torch.float32)
+    layer = _with_sinks(layer_for(8, 2, 16, window_left=window, logit_cap=cap), 2)
+    run_and_check(TritonBackend(min_split_len=8, max_kv_splits=4), q, k, v, layer, batch)  # several splits
+
+
+def test_dense_with_sinks_matches_reference():
+    b, sq, sk, hq, hkv, d = 2, 7, 7, 4, 2, 16
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(b * n, h, d, generator=gen).to(DEVICE) for n, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+    layer = _with_sinks(layer_for(hq, hkv, d, window_left=3), 3)
+    out = TritonBackend().forward_dense(q, k, v, layer, b)
+    torch.testing.assert_close(out, TorchNativeBackend().forward_dense(q, k, v, layer, b), atol=2e-5, rtol=2e-5)
+    without = TorchNativeBackend().forward_dense(q, k, v, dataclasses.replace(layer, sinks=None), b)
+    assert (out - without).abs().max() > 1e-2  # the sinks changed the result
+
+
 # ----------------------------------------------------------------------------- contract
 def test_registry_and_capabilities():
     assert registry.get_backend_class("triton") is TritonBackend

@@ -24,10 +24,11 @@ GREEDY = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=No
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="tests/conftest.py sets TRITON_INTERPRET=1 without CUDA")
-def test_accelerate_with_triton_on_cpu_matches_hf(caplog):
+@pytest.mark.parametrize("arch,impl", [("llama", "sdpa"), ("gpt_oss", "eager")])  # gpt_oss: attention sinks
+def test_accelerate_with_triton_on_cpu_matches_hf(caplog, arch, impl):
     from attngraph.attn_backends.triton_ops import interpreter_problem
 
-    model = build_model("llama", "sdpa")
+    model = build_model(arch, impl)
     problem = interpreter_problem()
     if problem is not None:  # an old Triton with a new numpy: refused with the fix, never run
         with pytest.raises(attngraph.BackendUnavailableError, match="triton>=3.7 or numpy<2.4"):

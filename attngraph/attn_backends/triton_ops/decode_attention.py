@@ -187,10 +187,10 @@ def _decode_stage1_kernel(
 
 @triton.jit
 def _decode_stage2_kernel(
-    PartO, PartLse, Out, SeqLens,
+    PartO, PartLse, Out, SeqLens, Sinks,
     window, max_splits, min_split_len,
     stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh,
-    V_HEAD_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, SPLIT_ALIGN: tl.constexpr,
+    V_HEAD_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, SPLIT_ALIGN: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -211,11 +211,27 @@ def _decode_stage2_kernel(
         acc = acc * alpha + o * w
         l = l * alpha + w
         m = m_new
+    if HAS_SINKS:  # the head's sink logit joins the denominator only (it has no value)
+        sink = tl.load(Sinks + h).to(tl.float32) * _LOG2E
+        m_new = tl.maximum(m, sink)
+        alpha = tl.exp2(m - m_new)
+        acc = acc * alpha
+        l = l * alpha + tl.exp2(sink - m_new)
     out = tl.where(l > 0, acc / tl.where(l > 0, l, 1.0), 0.0)  # seq_len = 0: zeros
     tl.store(Out + b * stride_ob + h * stride_oh + offs_dv, out.to(Out.dtype.element_ty), mask=mask_dv)
 
 
 # ----------------------------------------------------------------------------- launch
+def check_sinks(sinks: torch.Tensor | None, num_q_heads: int, like: torch.Tensor) -> torch.Tensor:
+    """The pointer argument for ``Sinks``: ``sinks`` (``[Hq]``, contiguous, on ``like``'s
+    device) or, without sinks, any tensor (the kernels do not read it)."""
+    if sinks is None:
+        return like
+    if sinks.shape != (num_q_heads,) or sinks.device != like.device:
+        raise ValueError(f"sinks must be [{num_q_heads}] on {like.device}; got {tuple(sinks.shape)} on {sinks.device}")
+    return sinks.contiguous()
+
+
 def decode_block_n(head_dim: int, v_head_dim: int, dtype: torch.dtype) -> int:
     """Keys per block of stage 1 (also the split alignment)."""
     if interpreting():
@@ -241,6 +257,7 @@ def decode_attention_fwd(
     min_split_len: int = DEFAULT_MIN_SPLIT_LEN,
     logit_cap: float = 0.0,
     window_left: int = -1,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of one new token per request over its paged keys ``0..seq_len-1``.
 
@@ -260,6 +277,8 @@ def decode_attention_fwd(
     min_split_len: shortest split; a request uses ``clamp(cdiv(span, min_split_len), 1, max_splits)``.
     logit_cap: ``cap * tanh(s / cap)`` on the scaled scores when > 0.
     window_left: keys ``j >= seq_len - 1 - window_left`` only, when >= 0.
+    sinks: ``[Hq]`` attention-sink logits (GPT-OSS), in the units of the scaled scores: each
+        joins its head's softmax denominator as a key without a value. None: no sinks.
 
     Returns ``out``.
     """
@@ -297,11 +316,11 @@ def decode_attention_fwd(
         num_warps=4, num_stages=2,
     )  # fmt: skip
     _decode_stage2_kernel[(bsz, hq)](
-        partial_out, partial_lse, out, seq_lens,
+        partial_out, partial_lse, out, seq_lens, check_sinks(sinks, hq, q),
         window, max_splits, min_split_len,
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1), out.stride(0), out.stride(1),
-        V_HEAD_DIM=dv, BLOCK_DV=block_dv, SPLIT_ALIGN=block_n,
+        V_HEAD_DIM=dv, BLOCK_DV=block_dv, SPLIT_ALIGN=block_n, HAS_SINKS=sinks is not None,
         num_warps=4 if block_dv <= 128 else 8,
     )  # fmt: skip
     return out

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import _dot, _softcap, check_last_dim_contiguous, dot_options, interpreting, window_arg
+from .decode_attention import _dot, _softcap, check_last_dim_contiguous, check_sinks, dot_options, interpreting, window_arg
 
 logger = logging.getLogger(__name__)
 
@@ -90,13 +90,13 @@ def _attend(
 
 @triton.jit
 def _extend_kernel(
-    Q, K, V, Out, ReqToPage, ReqIdx, SeqLens, QoIndptr,
+    Q, K, V, Out, ReqToPage, ReqIdx, SeqLens, QoIndptr, Sinks,
     scale, logit_cap, window, dense_q_len, dense_kv_len, last_slot,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_rtp,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, V_HEAD_DIM: tl.constexpr,
     PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, PACKED_STEPS: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, PACKED_STEPS: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     # Grid axis 0 is the query head (the heads of one KV head run side by side and share its
     # K/V in L2); axis 1 runs the query blocks last first: under a causal mask the last blocks
@@ -184,6 +184,12 @@ def _extend_kernel(
         True, PAGED, CAUSAL, HAS_CAP, PAGE_SIZE, BLOCK_N, UPCAST, PRECISION,
     )  # fmt: skip
 
+    if HAS_SINKS:  # the head's sink logit joins the denominator only (it has no value)
+        sink = tl.load(Sinks + h).to(tl.float32) * _LOG2E
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha + tl.exp2(sink - m_new)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a query that sees no key: zeros
     tl.store(Out + tok[:, None] * stride_ot + h * stride_oh + offs_dv[None, :],
              out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_dv[None, :])  # fmt: skip
@@ -248,7 +254,7 @@ def _fill_the_gpu(block_m: int, num_warps: int, num_tokens: int, num_heads: int,
 
 def _launch(q, k, v, out, req_to_page, req_pool_indices, seq_lens, qo_indptr, grid_m, bsz,
             scale, logit_cap, window_left, causal, page_size, paged, dense_q_len, dense_kv_len,
-            packed=False):  # fmt: skip
+            packed=False, sinks=None):  # fmt: skip
     """Shared launch of `_extend_kernel`; ``grid_m``: longest run of queries of one request
     (``packed``: the total of the new tokens, and the grid packs every request's blocks)."""
     t, hq, d = q.shape
@@ -269,7 +275,7 @@ def _launch(q, k, v, out, req_to_page, req_pool_indices, seq_lens, qo_indptr, gr
         grid = (hq, triton.cdiv(grid_m, block_m), bsz)
         steps = 0
     _extend_kernel[grid](
-        q, k, v, out, req_to_page, req_pool_indices, seq_lens, qo_indptr,
+        q, k, v, out, req_to_page, req_pool_indices, seq_lens, qo_indptr, check_sinks(sinks, hq, q),
         float(scale), float(logit_cap) if logit_cap > 0 else 1.0, window_arg(window_left),
         dense_q_len, dense_kv_len, bsz - 1,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -278,7 +284,7 @@ def _launch(q, k, v, out, req_to_page, req_pool_indices, seq_lens, qo_indptr, gr
         PAGED=paged, CAUSAL=bool(causal), HAS_CAP=logit_cap > 0,
         BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv),
-        UPCAST=upcast, PRECISION=precision, PACKED_STEPS=steps,
+        UPCAST=upcast, PRECISION=precision, PACKED_STEPS=steps, HAS_SINKS=sinks is not None,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
@@ -301,6 +307,7 @@ def extend_attention_fwd(
     window_left: int = -1,
     logit_cap: float = 0.0,
     static_num_tokens: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the new tokens of every request over its paged keys ``0..seq_len-1``.
 
@@ -321,16 +328,18 @@ def extend_attention_fwd(
         the grid is then ``static_num_tokens // BLOCK_M + B`` programs per head, each finding
         its request by binary search over ``qo_indptr``, whatever the lengths (no program per
         (request, block) pair: empty requests of a graph cost one program, not a column).
+    sinks: ``[Hq]`` attention-sink logits in the units of the scaled scores (GPT-OSS): each
+        joins its head's softmax denominator as a key without a value. None: no sinks.
 
     Returns ``out``.
     """
     if static_num_tokens is not None:
         return _launch(q, k_buffer, v_buffer, out, req_to_page, req_pool_indices, seq_lens, qo_indptr,
                        int(static_num_tokens), int(req_pool_indices.shape[0]), scale, logit_cap, window_left,
-                       causal, page_size, True, 0, 0, packed=True)  # fmt: skip
+                       causal, page_size, True, 0, 0, packed=True, sinks=sinks)  # fmt: skip
     return _launch(q, k_buffer, v_buffer, out, req_to_page, req_pool_indices, seq_lens, qo_indptr,
                    int(max_extend_len), int(req_pool_indices.shape[0]), scale, logit_cap, window_left,
-                   causal, page_size, True, 0, 0)  # fmt: skip
+                   causal, page_size, True, 0, 0, sinks=sinks)  # fmt: skip
 
 
 def dense_attention_fwd(
@@ -344,6 +353,7 @@ def dense_attention_fwd(
     causal: bool = True,
     window_left: int = -1,
     logit_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over ``batch_size`` equal-length sequences (the stateless form).
 
@@ -356,4 +366,4 @@ def dense_attention_fwd(
         return out
     sq, sk = q.shape[0] // b, k.shape[0] // b
     # The paged-only pointer arguments are never read when PAGED=False: any tensor will do.
-    return _launch(q, k, v, out, q, q, q, q, sq, b, scale, logit_cap, window_left, causal, 1, False, sq, sk)
+    return _launch(q, k, v, out, q, q, q, q, sq, b, scale, logit_cap, window_left, causal, 1, False, sq, sk, sinks=sinks)
