@@ -123,6 +123,9 @@ FACTORIES = {
     "new_zeros", "new_ones", "new_full", "scalar_tensor", "empty_strided", "new_empty_strided", "rand",
     "randn", "rand_like", "randn_like",
 }
+# Tensor-parallel collectives (`torch.distributed._functional_collectives`) whose output row t
+# depends on row t of the input on every rank.
+COLLECTIVES_SAME_ROWS = {"all_reduce", "all_reduce_", "wait_tensor"}
 # Elementwise ops that lack the pointwise tag.
 ELEMENTWISE = {"floor_divide", "remainder", "copy_", "copy", "fill_", "fill", "zero_", "masked_fill_", "_to_copy"}
 
@@ -625,7 +628,31 @@ def _refuse(reason: str):
     return rule
 
 
+def _same_rows(c: _Checker, node: fx.Node, carrying: list[fx.Node]) -> _Info:
+    """An op whose output row t is a function of input row t on every rank (an all-reduce, or
+    the wait for one): token-wise, because every rank runs the same schedule of steps, so row
+    t is the same token on each."""
+    if len(carrying) != 1 or node.args[0] is not carrying[0]:
+        raise _Refuse(f"collective {_name(node.target)} with an unexpected argument layout")
+    return _Info(c.get(carrying[0]).order)
+
+
+def _gather_dim0(c: _Checker, node: fx.Node, carrying: list[fx.Node]) -> _Info:
+    """``all_gather_into_tensor`` / ``reduce_scatter_tensor``: ranks' tensors concatenated (or
+    reduced and split) along dim 0. Token-wise when dim 0 is not a token dim (transformers'
+    tensor-parallel ``lm_head`` gathers ``[1, N, V / R]`` into ``[R, N, V / R]``): the token
+    dims keep their rows, and every rank's row t is the same token."""
+    if len(carrying) != 1 or node.args[0] is not carrying[0]:
+        raise _Refuse(f"collective {_name(node.target)} with an unexpected argument layout")
+    if 0 in c.token_dims(carrying[0].meta["val"]):
+        raise _Refuse("gathers or scatters the ranks' tensors along the token axis")
+    return _Info(c.get(carrying[0]).order)
+
+
 _RULES = {
+    **{n: _same_rows for n in COLLECTIVES_SAME_ROWS},
+    "all_gather_into_tensor": _gather_dim0,
+    "reduce_scatter_tensor": _gather_dim0,
     **{n: _reduce for n in REDUCTIONS | SOFTMAXES | SCANS | {"sort", "argsort"}},
     **{n: _count for n in HISTOGRAMS},
     "native_layer_norm": _norm,

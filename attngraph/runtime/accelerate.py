@@ -27,6 +27,7 @@ from .decode_loop import paged_sample
 from .generate_checks import check_forward_kwargs
 from .model_runner import ModelRunner
 from .paged_cache import PagedCache, check_token_ids
+from .tensor_parallel import check_local_heads, check_shardable
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +80,10 @@ def accelerate(model: torch.nn.Module, config: CompileConfig | None = None, **op
         raise UnsupportedModelError("encoder-decoder models are not supported by accelerate(); use torch.compile")
     cfg = CompileConfig.from_kwargs(config, **options)
     _check_rope(model)
+    world = check_shardable(model)  # tensor parallel: the rank count divides the heads
     state = AcceleratedState(model, cfg)
     try:
+        check_local_heads(model, world, state.runner.geometry.num_q_heads, state.runner.geometry.num_kv_heads)
         state.runner.warmup()
     except torch._dynamo.exc.Unsupported as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

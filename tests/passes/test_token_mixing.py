@@ -112,3 +112,36 @@ def test_moe_dispatch_really_is_token_wise():
     whole = moe_dispatch(x, None)
     for t in range(9):
         torch.testing.assert_close(moe_dispatch(x[:, t : t + 1], None)[0, 0], whole[0, t])
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A gloo process group of one rank, so that tensor-parallel collectives can be traced."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch built without distributed")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        yield dist.group.WORLD
+        dist.destroy_process_group()
+    else:
+        yield dist.group.WORLD
+
+
+def test_tensor_parallel_collectives_are_token_wise(one_rank_group):
+    """transformers' tensor parallelism: all-reduce of row-parallel outputs, all-gather of the
+    column-parallel lm_head along the hidden dims (``[1, N, V/R] -> [R, N, V/R]`` underneath)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    def body(x, pos):
+        x = funcol.all_reduce(x @ W, "sum", one_rank_group)
+        return funcol.all_gather_tensor(x, 2, one_rank_group)
+
+    assert check_token_mixing(ragged_graph(body)) == []
+
+
+def test_a_gather_along_the_token_axis_is_flagged(one_rank_group):
+    from torch.distributed import _functional_collectives as funcol
+
+    found = check_token_mixing(ragged_graph(lambda x, pos: funcol.all_gather_tensor(x[0], 0, one_rank_group)[None]))
+    assert any("along the token axis" in op.reason for op in found), [str(op) for op in found]
