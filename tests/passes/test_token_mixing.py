@@ -135,7 +135,8 @@ def test_tensor_parallel_collectives_are_token_wise(one_rank_group):
 
     def body(x, pos):
         x = funcol.all_reduce(x @ W, "sum", one_rank_group)
-        return funcol.all_gather_tensor(x, 2, one_rank_group)
+        gathered = funcol.all_gather_tensor(x, 0, one_rank_group)  # [R, N, H]: ranks along dim 0
+        return torch.cat(gathered.chunk(one_rank_group.size(), 0), dim=2)  # [1, N, R * H]
 
     assert check_token_mixing(ragged_graph(body)) == []
 
