@@ -9,6 +9,21 @@ from torch import nn
 B, HQ, HKV, S, D = 2, 4, 2, 9, 8
 
 
+def graph_sites(module: nn.Module, *inputs) -> list:
+    """`find_attention`'s sites in the Dynamo graph of ``module(*inputs)`` (eval, no grad)."""
+    from attngraph.passes import find_attention
+
+    sites = []
+
+    def backend(gm, example_inputs):
+        sites.extend(find_attention(gm))
+        return gm.forward
+
+    with torch.no_grad():
+        torch.compile(module.eval(), backend=backend, fullgraph=True)(*inputs)
+    return sites
+
+
 def qkv(x: torch.Tensor, heads_kv: int = HKV):
     """Split ``x: [B, S, (HQ + 2*heads_kv) * D]`` into ``q [B,HQ,S,D]``, ``k, v [B,heads_kv,S,D]``."""
     b, s, _ = x.shape

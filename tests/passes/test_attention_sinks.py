@@ -14,7 +14,6 @@ from torch import nn
 
 import attngraph
 from attngraph.attn_backends.base import BackendCapabilities, ModelAttentionSpec
-from attngraph.passes import find_attention
 
 from ..hf_models import build_model
 from . import patterns as P
@@ -77,24 +76,12 @@ class _SinkAttention(P.Proj):
         return self.finish(probs @ v)
 
 
-def _sites(module, *inputs):
-    sites = []
-
-    def backend(gm, example_inputs):
-        sites.extend(find_attention(gm))
-        return gm.forward
-
-    with torch.no_grad():
-        torch.compile(module.eval(), backend=backend, fullgraph=True)(*inputs)
-    return sites
-
-
 def _per_head(m, s):
     return m.sinks.reshape(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[2], -1)
 
 
 def test_a_per_head_parameter_column_is_lowered():
-    (site,) = _sites(_SinkAttention(_per_head), torch.randn(P.B, P.S, P.D * 4))
+    (site,) = P.graph_sites(_SinkAttention(_per_head), torch.randn(P.B, P.S, P.D * 4))
     assert site.lowerable and site.sinks is not None, site.reason
 
 
@@ -111,12 +98,12 @@ def test_a_per_head_parameter_column_is_lowered():
     ids=["activation", "per-batch-row", "per-position"],
 )
 def test_other_columns_are_refused(column, why):
-    (site,) = _sites(_SinkAttention(column), torch.randn(P.B, P.S, P.D * 4))
+    (site,) = P.graph_sites(_SinkAttention(column), torch.randn(P.B, P.S, P.D * 4))
     assert not site.lowerable and why in site.reason, site.reason
 
 
 def test_dropping_another_column_is_not_a_sink():
-    (site,) = _sites(_SinkAttention(_per_head, drop_last=False), torch.randn(P.B, P.S, P.D * 4))
+    (site,) = P.graph_sites(_SinkAttention(_per_head, drop_last=False), torch.randn(P.B, P.S, P.D * 4))
     assert not site.lowerable and "attention-sink match does not accept" in site.reason, site.reason
 
 

@@ -7,10 +7,8 @@ A softmax over the last dimension of scores computed from a product of two activ
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from attngraph.passes import find_attention
 
 from . import patterns as P
 
@@ -32,24 +30,12 @@ class SlicedProbabilities(P.Proj):
         return self.finish(p[..., 1:] @ v[:, :, 1:])
 
 
-def _graph_sites(module, *inputs):
-    sites = []
-
-    def backend(gm, example_inputs):
-        sites.extend(find_attention(gm))
-        return gm.forward
-
-    with torch.no_grad():
-        torch.compile(module.eval(), backend=backend, fullgraph=True)(*inputs)
-    return sites
-
-
 def test_unrecognized_form_is_refused_with_what_was_seen():
-    (site,) = _graph_sites(SlicedProbabilities(), torch.randn(P.B, P.S, P.D * 4))
+    (site,) = P.graph_sites(SlicedProbabilities(), torch.randn(P.B, P.S, P.D * 4))
     assert not site.lowerable and UNRECOGNIZED in site.reason, site.reason
     assert "getitem" in site.reason  # where the probabilities go
 
 
 def test_softmax_over_a_weight_product_is_not_attention():
     """A router-like softmax over ``x @ W`` (a parameter) and a softmax over queries stay unreported."""
-    assert _graph_sites(P.NotAttention(), torch.randn(P.B, P.HQ, P.S, P.D)) == []
+    assert P.graph_sites(P.NotAttention(), torch.randn(P.B, P.HQ, P.S, P.D)) == []
