@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-
 from . import patterns as P
 
 UNRECOGNIZED = "that the matchers do not recognize"
