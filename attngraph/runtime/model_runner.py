@@ -16,6 +16,7 @@ from ..passes.site import AttentionSite
 from ..forward_batch import ForwardBatch
 from ..forward_context import ForwardContext, use_forward_context
 from .kv_pool import KVPool
+from .tensor_parallel import agreed_across_ranks
 from .piecewise_runner import frozen
 from .ragged_model import MIN_TOKENS, RaggedModel
 
@@ -169,7 +170,7 @@ class ModelRunner:
             tokens = int(free * fraction) // per_token
         else:
             tokens = CPU_DEFAULT_KV_TOKENS
-        num_pages = max(1, tokens // cfg.page_size)
+        num_pages = agreed_across_ranks(self.model, max(1, tokens // cfg.page_size), self.device)
         logger.info(
             "KV pool: %d pages x %d tokens (%.1f MiB, %d bytes per token) for %d layers of %d KV heads x %s",
             num_pages, cfg.page_size, num_pages * cfg.page_size * per_token / 2**20, per_token, g.num_layers,

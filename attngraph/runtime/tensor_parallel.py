@@ -20,16 +20,37 @@ import torch
 from ..errors import UnsupportedModelError
 
 
-def tensor_parallel_size(model: torch.nn.Module) -> int:
-    """Ranks the model's weights are sharded over (1 when none is a DTensor)."""
+def _mesh(model: torch.nn.Module):
+    """The device mesh the model's weights are sharded over, or None (no DTensor weight)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch built without distributed
-        return 1
+        return None
     for p in model.parameters():
         if isinstance(p, DTensor):
-            return int(p.device_mesh.size())
-    return 1
+            return p.device_mesh
+    return None
+
+
+def tensor_parallel_size(model: torch.nn.Module) -> int:
+    """Ranks the model's weights are sharded over (1 when none is a DTensor)."""
+    mesh = _mesh(model)
+    return 1 if mesh is None else int(mesh.size())
+
+
+def agreed_across_ranks(model: torch.nn.Module, num_pages: int, device: torch.device) -> int:
+    """The smallest of every rank's KV-pool page count (``num_pages`` without tensor
+    parallelism). Pools sized from each GPU's free memory may differ; with equal pools a full
+    pool is hit by every rank at the same step (the same error everywhere), never by one rank
+    while the others wait for it in a collective. Every rank calls this at `accelerate` time."""
+    mesh = _mesh(model)
+    if mesh is None or mesh.size() == 1:
+        return num_pages
+    import torch.distributed as dist
+
+    pages = torch.tensor([num_pages], dtype=torch.int64, device=device)
+    dist.all_reduce(pages, op=dist.ReduceOp.MIN, group=mesh.get_group())
+    return int(pages.item())
 
 
 def _head_counts(config) -> tuple[int | None, int | None]:

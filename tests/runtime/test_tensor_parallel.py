@@ -3,7 +3,8 @@
 Each model is saved with `save_pretrained` to a temporary folder and loaded on every rank with
 ``tp_plan="auto"`` (`tp_worker.py` under torchrun). Greedy generate of a left-padded batch on
 the accelerated sharded model must equal the unsharded model's on both ranks, and each rank
-must attend over its own share of the heads, with a KV pool of that share.
+must attend over its own share of the heads, with a KV pool of that share and of the same
+number of pages as every other rank's.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def test_sharded_greedy_equals_unsharded_on_every_rank(tmp_path, arch, impl):
         assert "error" not in r, r
         assert r["equal"], r
         assert (r["q_heads"], r["kv_heads"], r["pool_kv_heads"]) == (hq // 2, hkv // 2, hkv // 2), r
+        assert r["pool_pages"] == 512 // 4, r  # the smaller of the ranks' pools (512 and 768 tokens)
         assert r["used_pages"] == 0 and r["compilations"] == 1, r
 
 

@@ -32,7 +32,9 @@ def main() -> None:
         want = whole.generate(ids, **greedy)
     result = {"rank": rank, "world": world}
     try:
-        attngraph.accelerate(sharded, attention_backend=backend, page_size=4, kv_cache_tokens=512, max_context_len=64)
+        # Pools asked for of different sizes per rank (as free GPU memory may give): they agree on the smallest.
+        attngraph.accelerate(sharded, attention_backend=backend, page_size=4, kv_cache_tokens=512 + 256 * rank,
+                             max_context_len=64)  # fmt: skip
     except attngraph.AttnGraphError as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
         print("RESULT " + json.dumps(result), flush=True)
@@ -44,6 +46,7 @@ def main() -> None:
         q_heads=runner.geometry.num_q_heads,
         kv_heads=runner.geometry.num_kv_heads,
         pool_kv_heads=runner.pool.num_kv_heads,
+        pool_pages=runner.pool.num_pages,
         used_pages=runner.pool.num_used_pages,
         compilations=runner.num_compilations,
     )
