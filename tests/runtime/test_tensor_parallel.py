@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,12 +29,16 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("tp_worker.py")
 
 
-def run_ranks(path: Path, nproc: int = 2, backend: str = "torch_native") -> list[dict]:
+def launch(path: Path, nproc: int, backend: str = "torch_native", *extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0")}  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(WORKER), str(path), backend]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+           str(WORKER), str(path), backend, *extra]  # fmt: skip
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def run_ranks(path: Path, nproc: int = 2, backend: str = "torch_native") -> list[dict]:
+    proc = launch(path, nproc, backend)
     # The ranks share one stdout: lines may run into each other, so match the records themselves.
     results = [json.loads(m) for m in re.findall(r"RESULT (\{[^{}]*\})", proc.stdout)]
     assert len(results) == nproc, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -60,3 +65,16 @@ def test_a_rank_count_that_does_not_divide_the_heads_is_refused_on_every_rank(tm
     for r in results:
         assert "UnsupportedModelError" in r.get("error", ""), r
         assert "does not divide" in r["error"] and "--nproc-per-node" in r["error"], r
+
+
+def test_a_rank_failing_mid_step_stops_every_rank(tmp_path):
+    """Rank 1 raises in its third step while rank 0 waits in a collective of that step: torchrun
+    stops the other ranks at the first failure, so the job ends with rank 1's error, no hang."""
+    model = build_model("llama", "sdpa")
+    model.save_pretrained(tmp_path)
+    start = time.monotonic()
+    proc = launch(tmp_path, 2, "torch_native", "fail-rank-1")
+    assert proc.returncode != 0
+    assert "rank 1 failed during a step" in proc.stdout + proc.stderr
+    assert "RESULT" not in proc.stdout  # neither rank finished generate
+    assert time.monotonic() - start < 300

@@ -40,6 +40,16 @@ def main() -> None:
         print("RESULT " + json.dumps(result), flush=True)
         return
     runner = state_of(sharded).runner
+    if len(sys.argv) > 3 and sys.argv[3] == "fail-rank-1" and rank == 1:
+        step, calls = runner.forward, []
+
+        def failing(*args, **kwargs):  # the third step of rank 1 fails; rank 0 is then in a collective
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("rank 1 failed during a step")
+            return step(*args, **kwargs)
+
+        runner.forward = failing
     got = sharded.generate(ids, **greedy)
     result.update(
         equal=bool(torch.equal(got, want)),
