@@ -357,7 +357,7 @@ def test_soak_copy_model_exact(page_size):
 def test_soak_triton():
     """Mistral (sliding window) with 4-token pages; a short run: the interpreter is slow."""
     stats = soak("mistral", "triton", 4, TRITON_SOAK_STEPS)
-    assert stats["checked"] >= stats["steps"]
+    assert stats["checked"] >= stats["steps"] - stats["idle"]  # every step that runs tokens checks some
 
 
 @pytest.mark.gpu
@@ -370,7 +370,7 @@ def test_soak_gpu(backend, dtype, page_size):
     if backend == "flashinfer":
         pytest.importorskip("flashinfer")
     stats = soak("mistral", backend, page_size, GPU_SOAK_STEPS, device="cuda", dtype=dtype)
-    assert stats["checked"] >= stats["steps"]
+    assert stats["checked"] >= stats["steps"] - stats["idle"]  # every step that runs tokens checks some
 
 
 @pytest.mark.gpu
@@ -384,4 +384,4 @@ def test_soak_gpu_copy_model_exact(arch, backend, page_size):
     if backend == "flashinfer":
         pytest.importorskip("flashinfer")
     stats = soak(arch, backend, page_size, GPU_SOAK_STEPS, device="cuda", dtype=torch.bfloat16)
-    assert stats["checked"] >= stats["steps"] and stats["exact"] > 0
+    assert stats["checked"] >= stats["steps"] - stats["idle"] and stats["exact"] > 0
