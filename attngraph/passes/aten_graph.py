@@ -129,8 +129,19 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     return out if bias is None else out + bias
 
 
+def _polar(abs: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
+    """``torch.polar`` spelled as a stack of the real and imaginary parts viewed as complex.
+
+    The fake kernel of ``polar`` (through ``torch.complex``'s meta) reads every size as an
+    int, which specializes the token count as `_matmul`'s composites do (Llama 4's rotary
+    embedding builds its frequencies with ``polar``)."""
+    parts = torch.stack([abs * torch.cos(angle), abs * torch.sin(angle)], dim=-1)
+    return torch.view_as_complex(parts)
+
+
 #: Dynamo-graph targets re-spelled before dispatch (see `_matmul`).
 _SIZE_SAFE = {
+    torch.polar: _polar,
     operator.matmul: _matmul,
     torch.matmul: _matmul,
     torch.Tensor.matmul: _matmul,

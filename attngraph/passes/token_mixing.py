@@ -117,6 +117,8 @@ DIM_MOVES = {
     "transpose", "t", "permute", "unsqueeze", "squeeze", "movedim", "alias", "detach", "clone",
     "contiguous", "_to_copy", "to", "lift_fresh_copy", "_conj", "resolve_conj", "resolve_neg",
     "expand", "expand_as", "type_as", "numpy_T", "swapaxes",
+    # complex views: the trailing (re, im) pair of size 2 is never a token dimension
+    "view_as_complex", "view_as_real", "real", "imag",
 }
 FACTORIES = {
     "empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ones_like", "full_like", "new_empty",
@@ -158,22 +160,35 @@ def check_token_mixing(
     """
     from .lower_attention import ATTENTION_OP
 
+    token_names, index_names = tuple(token_inputs), tuple(row_index_inputs)
+
+    def role_of(ph: fx.Node) -> str | None:
+        return "token" if any(t in ph.name for t in token_names) else "index" if any(t in ph.name for t in index_names) else None
+
+    def axis_symbols() -> set[sympy.Symbol]:
+        out: set[sympy.Symbol] = set()
+        for ph in gm.graph.find_nodes(op="placeholder"):
+            val = fu.example_value(ph)
+            if role_of(ph) and isinstance(val, torch.Tensor):
+                for s in val.shape:
+                    out |= _free(s)
+        return out
+
+    before = axis_symbols()
     try:
         ag, placeholders = to_aten(gm)
     except AtenTraceError as exc:  # not proven token-wise: say where the analysis stopped
         module = fu.attention_module_path(exc.node)[0] if exc.node is not None else ""
         op = _name(exc.node.target) if exc.node is not None and exc.node.op != "placeholder" else "(graph)"
         return [TokenMixingOp(module, op, f"could not be analysed for token mixing ({exc})")]
-    token_names, index_names = tuple(token_inputs), tuple(row_index_inputs)
-    symbols: set[sympy.Symbol] = set()
-    roles: list[str | None] = []
-    for ph in placeholders:
-        role = "token" if any(t in ph.name for t in token_names) else "index" if any(t in ph.name for t in index_names) else None
-        roles.append(role)
-        val = fu.example_value(ph)
-        if role and isinstance(val, torch.Tensor):
-            for s in val.shape:
-                symbols |= _free(s)
+    # A size is read through the shape environment's replacements: a kernel that read the token
+    # count as an int while re-tracing fixed it to a constant, and a proof over a fixed count
+    # would follow no token axis at all (an empty, vacuous answer).
+    symbols = axis_symbols()
+    if before - symbols:
+        fixed = ", ".join(sorted(str(s) for s in before - symbols))
+        return [TokenMixingOp("", "(graph)", f"could not be analysed for token mixing: re-tracing to ATen fixed the token count ({fixed}) to a constant")]
+    roles = [role_of(ph) for ph in placeholders]
     if not symbols:
         return []  # static token count: nothing symbolic to follow (not a ragged graph)
     checker = _Checker(symbols, {ATTENTION_OP, *allowed})

@@ -16,6 +16,7 @@ import itertools
 import logging
 import types
 import torch
+from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 
 from ..compiler.backend import AttnGraphBackend
 from ..compiler.ragged_check import ROW_INDEX_INPUTS, TOKEN_INPUTS
@@ -105,6 +106,12 @@ class RaggedModel:
             if isinstance(inner, AttnGraphError):
                 raise inner from None
             raise
+        except ConstraintViolationError as exc:
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__}'s forward fixes the number of tokens while it is traced, so it has "
+                "no graph for every step length, which the paged runtime needs:\n"
+                f"{str(exc).strip()}\nUse the stateless form instead: torch.compile(model, backend='attngraph')."
+            ) from exc
         return logits[:n_logits]
 
     def _check_sites(self, sites: list[AttentionSite]) -> None:

@@ -72,6 +72,10 @@ TOKEN_WISE = {
     "heads_view": lambda x, pos: x.view(1, -1, 4, 4).transpose(1, 2).softmax(-1).transpose(1, 2).reshape(1, -1, H),
     "moe_dispatch": moe_dispatch,
     "moe_index_add": moe_index_add,
+    "complex_rope": lambda x, pos: torch.view_as_real(  # Llama 4's RoPE: frequencies built with polar
+        torch.view_as_complex(x.reshape(1, -1, H // 2, 2))
+        * torch.polar(torch.ones(1, x.shape[1], H // 2), pos[..., None].float() / torch.arange(1, H // 2 + 1))
+    ).reshape(x.shape),
 }
 
 MIXING = {
@@ -104,6 +108,25 @@ def test_token_mixing_graphs_are_flagged(name):
     found = check_token_mixing(ragged_graph(body))
     assert found, name
     assert any(reason in op.reason for op in found), [str(op) for op in found]
+
+
+def _read_count_as_int(t):
+    int(t.shape[1])  # a kernel that reads a size as an int specializes it
+    return t
+
+
+def test_a_token_count_fixed_while_retracing_is_not_proven():
+    # A proof over a token count the re-trace fixed to a constant would follow no token axis
+    # and find nothing; it must say that it proved nothing instead.
+    gm = ragged_graph(MIXING["cumsum_over_tokens"][0])
+    cumsum = next(n for n in gm.graph.nodes if n.target == "cumsum")
+    with gm.graph.inserting_after(cumsum):
+        read = gm.graph.call_function(_read_count_as_int, (cumsum,))
+    cumsum.replace_all_uses_with(read, delete_user_cb=lambda user: user is not read)
+    read.meta["example_value"] = cumsum.meta["example_value"]
+    gm.recompile()
+    found = check_token_mixing(gm)
+    assert len(found) == 1 and "fixed the token count" in found[0].reason, [str(op) for op in found]
 
 
 def test_moe_dispatch_really_is_token_wise():

@@ -67,6 +67,18 @@ class HiddenAxisMLP(torch.nn.Module):
         return self.mlp(y)
 
 
+class LengthReadMLP(torch.nn.Module):
+    """Loops over the sequence length in Python (a graph for that one length only)."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x):  # [B, S, H]
+        steps = sum(1 for _ in range(x.shape[1]))
+        return self.mlp(x) * (1.0 + 0.0 * steps)
+
+
 def llama_with(wrap):
     from ..hf_models import build_model
 
@@ -84,6 +96,15 @@ def test_causal_conv_over_tokens_is_refused():
     with pytest.raises(attngraph.UnsupportedModelError, match="convolution over the token axis") as err:
         attngraph.accelerate(model, **OPTIONS)
     assert "model.layers.0.mlp.conv" in str(err.value) and "model.layers.1.mlp.conv" in str(err.value)
+
+
+def test_a_forward_that_fixes_the_length_is_refused():
+    model = llama_with(lambda mlp, hidden: LengthReadMLP(mlp))
+    # Whichever check meets the fixed length first (a mask proven for one length only, or
+    # Dynamo's constraint on the marked-dynamic token count), it is a refusal, not a torch error.
+    with pytest.raises(attngraph.UnsupportedModelError, match="cannot run on the paged runtime|fixes the number of tokens"):
+        attngraph.accelerate(model, **OPTIONS)
+    assert not hasattr(model, "_attngraph_state")
 
 
 def test_token_wise_layers_are_accepted_and_match_hf():
