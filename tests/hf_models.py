@@ -98,6 +98,13 @@ ARCHS: dict[str, tuple[str, dict, tuple[str, ...]]] = {
              eos_token_id=2, **MOE),
         BOTH,
     ),
+    "llama4": (  # chunked local layers (RoPE) and a global NoPE layer; dense MLPs (its MoE and
+        # temperature tuning are refused by the paged runtime: tests/runtime/test_llama4.py)
+        "Llama4TextConfig",
+        dict(num_key_value_heads=2, head_dim=16, intermediate_size_mlp=96, attention_chunk_size=8, no_rope_layers=[1, 0],
+             moe_layers=[], attn_temperature_tuning=False),
+        BOTH,
+    ),
     "gpt_oss": (  # attention sinks, sliding and full layers, MoE; transformers has eager attention only
         "GptOssConfig",
         dict(num_key_value_heads=2, head_dim=16, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,

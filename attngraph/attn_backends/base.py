@@ -51,6 +51,9 @@ class AttentionLayer:
     ``sinks``: ``[Hq]`` attention-sink logits (GPT-OSS), in the units of the scaled scores:
     each joins its head's softmax as one more key without a value (None: no sinks). A tensor
     the op receives per call, so it takes no part in comparing or hashing layers.
+    ``chunk_size``: chunked local attention (Llama 4), causal only: the sequence is cut into
+    chunks of ``chunk_size`` positions from position 0, and a query at ``i`` sees keys ``j``
+    with ``i - i % chunk_size <= j <= i`` (``0``: no chunks).
     """
 
     layer_id: int
@@ -63,6 +66,7 @@ class AttentionLayer:
     window_left: int = -1
     logit_cap: float = 0.0
     sinks: "torch.Tensor | None" = field(default=None, compare=False, hash=False, repr=False)
+    chunk_size: int = 0
 
     @property
     def gqa_group(self) -> int:
@@ -89,6 +93,8 @@ class ModelAttentionSpec:
     v_head_dim: int | None = None
     #: Some layer joins per-head sink logits to its softmax (GPT-OSS).
     uses_sinks: bool = False
+    #: Some layer attends within fixed chunks of positions (Llama 4's local layers).
+    uses_chunks: bool = False
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,8 @@ class BackendCapabilities:
     distinct_v_head_dim: bool = True
     #: Serves attention sinks (`AttentionLayer.sinks`) in every mode.
     sinks: bool = True
+    #: Serves chunked local attention (`AttentionLayer.chunk_size`) in every mode.
+    chunked: bool = True
     #: Appended to a "runs on ..., not <device>" refusal: how to get the missing device support.
     device_hint: str = ""
     graph_support: dict[str, GraphSupport] = field(
@@ -136,6 +144,8 @@ class BackendCapabilities:
             return f"does not serve a paged cache whose values ({spec.v_head_dim}) are narrower or wider than its keys"
         if spec.uses_sinks and not self.sinks:
             return "does not support attention sinks (per-head logits joined to the softmax)"
+        if spec.uses_chunks and not self.chunked:
+            return "does not support chunked local attention (keys within the query's chunk of positions)"
         return None
 
 

@@ -52,6 +52,7 @@ def combine_capabilities(prefill: BackendCapabilities, decode: BackendCapabiliti
         non_causal=prefill.non_causal and decode.non_causal,
         distinct_v_head_dim=prefill.distinct_v_head_dim and decode.distinct_v_head_dim,
         sinks=prefill.sinks and decode.sinks,
+        chunked=prefill.chunked and decode.chunked,
         dense=prefill.dense,
         graph_support={
             "decode": decode.graph_support["decode"],

@@ -22,6 +22,10 @@ def allowed_keys(q_pos: torch.Tensor, num_keys: int, layer: AttentionLayer) -> t
         ok &= k_pos[None, :] <= q_pos[:, None]
         if layer.window_left >= 0:
             ok &= k_pos[None, :] >= q_pos[:, None] - layer.window_left
+        if layer.chunk_size > 0:
+            ok &= k_pos[None, :] >= q_pos[:, None] - q_pos[:, None] % layer.chunk_size
+    elif layer.chunk_size > 0:
+        raise ValueError("chunked local attention is causal only")
     elif layer.window_left >= 0:
         ok &= (k_pos[None, :] - q_pos[:, None]).abs() <= layer.window_left
     return ok
@@ -123,9 +127,7 @@ class TorchNativeBackend(AttentionBackend):
         inside = (j[None, :] <= q_pos[:, None])[:, None, :, None]  # [B, 1, L, 1]
         kr = torch.where(inside, gather(pool.k_buffers[layer.layer_id]).to(q.dtype), 0)
         vr = torch.where(inside, gather(pool.v_buffers[layer.layer_id]).to(q.dtype), 0)
-        mask = j[None, :] <= q_pos[:, None]
-        if layer.window_left >= 0:
-            mask &= j[None, :] >= q_pos[:, None] - layer.window_left
+        mask = allowed_keys(q_pos, max_len, layer) & (j[None, :] <= q_pos[:, None])  # [B, L]
         out = masked_attention(q[:, :, None, :], kr, vr, mask[:, None, None, :], layer)  # [B, Hq, 1, Dv]
         return out[:, :, 0]
 

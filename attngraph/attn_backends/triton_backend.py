@@ -221,7 +221,7 @@ class TritonBackend(AttentionBackend):
             _last_dim_contiguous(q), kb, vb, out, pool.req_to_page, batch.req_pool_indices, batch.seq_lens,
             part_o, part_lse, page_size=pool.page_size, scale=layer.scale, max_splits=splits,
             min_split_len=self.min_split_len, logit_cap=layer.logit_cap, window_left=layer.window_left,
-            sinks=layer.sinks,
+            sinks=layer.sinks, chunk_size=layer.chunk_size,
         )  # fmt: skip
 
     def forward_extend(self, q, k, v, layer: AttentionLayer, batch: "ForwardBatch", save_kv_cache: bool = True) -> torch.Tensor:
@@ -243,7 +243,7 @@ class TritonBackend(AttentionBackend):
             _last_dim_contiguous(q), kb, vb, out, pool.req_to_page, batch.req_pool_indices, batch.seq_lens,
             batch.qo_indptr, max_ext, page_size=pool.page_size, scale=layer.scale, causal=layer.causal,
             window_left=layer.window_left, logit_cap=layer.logit_cap, static_num_tokens=batch.static_max_extend_len,
-            sinks=layer.sinks,
+            sinks=layer.sinks, chunk_size=layer.chunk_size,
         )  # fmt: skip
 
     def forward_dense(self, q, k, v, layer: AttentionLayer, batch_size: int) -> torch.Tensor:
@@ -254,5 +254,5 @@ class TritonBackend(AttentionBackend):
         return dense_attention_fwd(
             _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), out, int(batch_size),
             scale=layer.scale, causal=layer.causal, window_left=layer.window_left, logit_cap=layer.logit_cap,
-            sinks=layer.sinks,
+            sinks=layer.sinks, chunk_size=layer.chunk_size,
         )  # fmt: skip

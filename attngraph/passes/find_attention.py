@@ -714,7 +714,7 @@ def _check_shapes_and_mask(gm: fx.GraphModule, site: AttentionSite, trusted: set
         if isinstance(pattern, str):
             site.refuse(pattern)
             return
-        site.causal, site.window_left = pattern.causal, pattern.window_left
+        site.causal, site.window_left, site.chunk_size = pattern.causal, pattern.window_left, pattern.chunk_size
     site.lowerable = True
     site.reason = "lowered: " + site.describe()
 

@@ -48,8 +48,11 @@ def lower_attention(gm: fx.GraphModule, sites: list[AttentionSite]) -> int:
             v_t = _ragged(graph, site.v, site.num_kv_heads, site.v_head_dim)
             scale = _scale_arg(graph, site)
             args = (q_t, k_t, v_t, site.layer_id, scale, site.causal, site.window_left, site.logit_cap, bsz)
-            if site.sinks is not None:
-                args += (graph.call_method("reshape", (site.sinks, -1)),)  # [Hq]
+            sinks = graph.call_method("reshape", (site.sinks, -1)) if site.sinks is not None else None  # [Hq]
+            if sinks is not None or site.chunk_size > 0:
+                args += (sinks,)
+            if site.chunk_size > 0:
+                args += (site.chunk_size,)
             out = graph.call_function(ATTENTION_OP, args)
             out = graph.call_method("view", (out, bsz, q_len, site.num_q_heads, site.v_head_dim))
             out = graph.call_method("transpose", (out, 1, 2))  # [B, Hq, Sq, Dv]

@@ -6,12 +6,13 @@ is a function of shapes and positions alone. `value_inputs` finds the graph inpu
 the mask data-dependent and the site stays as it is. Otherwise `analyze_mask`:
 
 1. evaluates the mask's subgraph on a few probe sizes and reads off a *candidate*: causal
-   (aligned bottom-right), causal with a sliding window of ``W`` keys, or full. Probing only
-   proposes; it proves nothing about lengths it did not try;
+   (aligned bottom-right), causal with a sliding window of ``W`` keys, causal within chunks of
+   ``C`` positions (Llama 4's local layers), or full. Probing only proposes; it proves nothing
+   about lengths it did not try;
 2. derives the mask's element formula over (query row, key column, the graph's size symbols)
    from the subgraph (`symbolic_mask`) and proves it equal to the candidate for every
    integer value of those symbols that the shape environment allows (`linear_proof`). ``W``
-   is a number in the candidate, so a window that changes with the length (``i - j < S // 3``)
+   and ``C`` are numbers in the candidate, so a window that changes with the length (``i - j < S // 3``)
    fails the proof, as does any mask that is no such pattern at some length.
 
 A site is lowered only when step 2 succeeds; otherwise the refusal says why.
@@ -41,10 +42,13 @@ MAX_PROBE_LEN = 8192
 class MaskPattern:
     causal: bool
     window_left: int = -1  # query at position p sees keys j >= p - window_left; -1: none
+    chunk_size: int = 0  # query at position p sees keys j >= p - p % chunk_size; 0: none
 
     def describe(self) -> str:
         if not self.causal:
             return "full"
+        if self.chunk_size > 0:
+            return f"causal, chunks of {self.chunk_size}"
         return "causal" if self.window_left < 0 else f"causal, window {self.window_left + 1}"
 
 
@@ -245,11 +249,15 @@ def classify(mask: torch.Tensor, q_len: int, k_len: int) -> MaskPattern:
     widths = a.sum(-1)
     if q_len and int(widths.max()) > 0:
         candidates.append(MaskPattern(True, int(widths.max()) - 1))
+    # chunks: the first position after 0 whose query sees only itself starts the second chunk
+    alone = [i for i in range(q_len) if int(q_pos[i]) > 0 and int(widths[i]) == 1 and bool(a[i, int(q_pos[i])])]
+    if alone:
+        candidates.append(MaskPattern(True, -1, int(q_pos[alone[0]])))
     for cand in candidates:
-        layer = AttentionLayer(0, 1, 1, 1, 1, 1.0, cand.causal, cand.window_left)
+        layer = AttentionLayer(0, 1, 1, 1, 1, 1.0, cand.causal, cand.window_left, chunk_size=cand.chunk_size)
         if bool((allowed_keys(q_pos, k_len, layer) == a).all()):
             return cand
-    raise NotProvable("the mask is not causal, sliding-window causal, or full")
+    raise NotProvable("the mask is not causal, sliding-window causal, chunked causal, or full")
 
 
 def analyze_mask(
@@ -326,8 +334,18 @@ def candidate_pattern(allowed: Any, shape: tuple, sq: Any, sk: Any, ranges: dict
         return MaskPattern(False)
     # the last query sits at position k_n - 1 (bottom-right alignment)
     if len(last) and last[-1] == k_n - 1 and last[0] == k_n - len(last):
-        return MaskPattern(True, -1 if last[0] == 0 else len(last) - 1)
-    raise NotProvable("the mask is not causal, sliding-window causal, or full (read at the last query)")
+        start = int(last[0])
+        if start == 0:
+            return MaskPattern(True)
+        # A window slides with the query; a chunk starts over: the query at the last chunk's
+        # start sees itself alone, and the one before it sees back to its own chunk's start.
+        row_of = lambda p: p - (k_n - q_n)  # noqa: E731
+        if 0 <= row_of(start - 1) and len(last) > 1 and list(visible(row_of(start))) == [start]:
+            before = visible(row_of(start - 1))
+            if len(before) and before[-1] == start - 1:
+                return MaskPattern(True, -1, int(start - before[0]))
+        return MaskPattern(True, len(last) - 1)
+    raise NotProvable("the mask is not causal, sliding-window causal, chunked causal, or full (read at the last query)")
 
 
 def mask_formula(mask: fx.Node, positions: set[fx.Node] = frozenset()) -> tuple[Any, tuple]:
@@ -356,6 +374,8 @@ def pattern_formula(pattern: MaskPattern, row: sympy.Expr, col: sympy.Expr, offs
     allowed = col <= p
     if pattern.window_left >= 0:
         allowed = sympy.And(allowed, col >= p - pattern.window_left)
+    if pattern.chunk_size > 0:
+        allowed = sympy.And(allowed, sympy.Eq(sympy.floor(col / pattern.chunk_size), sympy.floor(p / pattern.chunk_size)))
     return allowed
 
 
@@ -385,7 +405,7 @@ def prove_pattern(allowed: Any, shape: tuple, pattern: MaskPattern, sq: Any, sk:
     if not same:
         raise NotProvable(
             f"the mask is not {pattern.describe()} at every length (it {how}); "
-            "only causal, causal with a fixed window, and full masks are lowered"
+            "only causal, causal with a fixed window or fixed chunks, and full masks are lowered"
         )
 
 
@@ -433,9 +453,15 @@ def _merge(seen: list[tuple[MaskPattern, int]]) -> MaskPattern:
     "causal" and "causal, window w" agree, so such probes do not contradict the window.
     """
     windows = {p.window_left for p, _ in seen if p.window_left >= 0}
+    chunks = {p.chunk_size for p, _ in seen if p.chunk_size > 0}
     kinds = {p.causal for p, _ in seen}
-    if len(kinds) == 1 and not windows:
+    if len(kinds) == 1 and not windows and not chunks:
         return seen[0][0]
+    # Chunks of c positions are invisible in a probe of at most c keys (it reads "causal").
+    if kinds == {True} and not windows and len(chunks) == 1:
+        c = chunks.pop()
+        if all(p.chunk_size == c or k_len <= c for p, k_len in seen):
+            return MaskPattern(True, -1, c)
     if kinds == {True} and len(windows) == 1:
         w = windows.pop()
         if all(p.window_left == w or k_len <= w + 1 for p, k_len in seen):

@@ -44,6 +44,8 @@ class AttentionSite:
     sinks: fx.Node | None = None
     causal: bool = True
     window_left: int = -1
+    #: Chunked local attention: keys within the query's chunk of this many positions (0: none).
+    chunk_size: int = 0
     num_q_heads: int = 0
     num_kv_heads: int = 0
     head_dim: int = 0
@@ -63,7 +65,7 @@ class AttentionSite:
             raise ValueError(f"site {self.name} has a runtime scale or softcap")
         return AttentionLayer(
             self.layer_id, self.num_q_heads, self.num_kv_heads, self.head_dim, self.v_head_dim,
-            float(self.scale.constant), self.causal, self.window_left, float(self.logit_cap),
+            float(self.scale.constant), self.causal, self.window_left, float(self.logit_cap), chunk_size=self.chunk_size,
         )
 
     def refuse(self, reason: str) -> "AttentionSite":
@@ -76,6 +78,8 @@ class AttentionSite:
         parts = ["causal" if self.causal else "full"]
         if self.window_left >= 0:
             parts.append(f"window={self.window_left + 1}")
+        if self.chunk_size > 0:
+            parts.append(f"chunks={self.chunk_size}")
         if isinstance(self.logit_cap, fx.Node) or self.logit_cap:
             cap = self.logit_cap.name if isinstance(self.logit_cap, fx.Node) else f"{self.logit_cap:g}"
             parts.append(f"softcap={cap}")

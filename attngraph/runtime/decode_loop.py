@@ -71,7 +71,7 @@ def check_call(cache: PagedCache, input_ids: torch.Tensor, generation_config, mo
         )
     mask = model_kwargs.get("attention_mask")
     spec = cache.runner.spec
-    check_prompt_layout(mask, spec is not None and spec.uses_window)
+    check_prompt_layout(mask, spec is not None and (spec.uses_window or spec.uses_chunks))
     cache.layout_checked = True
     bsz, width = input_ids.shape
     counts = mask.bool().sum(1).tolist() if mask is not None else [width] * bsz

@@ -76,9 +76,10 @@ def check_forward_kwargs(kwargs: dict) -> None:
         )
 
 
-def check_prompt_layout(mask: torch.Tensor | None, uses_window: bool) -> None:
+def check_prompt_layout(mask: torch.Tensor | None, counts_columns: bool) -> None:
     """``mask: [B, W]`` (1 = real token) of a prompt. Raises for an all-padding row, right
-    padding, or holes when ``uses_window``."""
+    padding, or holes when ``counts_columns`` (a sliding-window or chunked layer: HF measures
+    its window or chunks in mask columns)."""
     if mask is None:
         return
     valid = mask.bool()
@@ -98,11 +99,12 @@ def check_prompt_layout(mask: torch.Tensor | None, uses_window: bool) -> None:
     # A hole: a zero after the row's first one.
     seen = valid.long().cummax(1).values.bool()
     holes = seen & ~valid
-    if uses_window and bool(holes.any()):
+    if counts_columns and bool(holes.any()):
         row = int(holes.any(1).nonzero()[0, 0])
         raise UnsupportedGenerationError(
             f"row {row} of the attention_mask has holes (zeros between real tokens) and the model has a sliding-window "
-            "layer: HF's window counts the masked columns, the paged KV pool holds real tokens only. Remove the "
+            "or chunked layer: HF's window and chunks count the masked columns, the paged KV pool holds real tokens "
+            "only. Remove the "
             f"masked tokens from the prompt (left padding only), or {_RESTORE}."
         )
 

@@ -183,7 +183,8 @@ class PagedCache(Cache):
             # Called outside generate's up-front check: the mask so far must be a served layout.
             from .generate_checks import check_prompt_layout
 
-            check_prompt_layout(attention_mask, self.runner.spec is not None and self.runner.spec.uses_window)
+            spec = self.runner.spec
+            check_prompt_layout(attention_mask, spec is not None and (spec.uses_window or spec.uses_chunks))
         valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask[:, -seq:].bool()
         counts = valid.sum(1).tolist()
         positions = None

@@ -304,6 +304,84 @@ def test_dense_with_sinks_matches_reference():
     assert (out - without).abs().max() > 1e-2  # the sinks changed the result
 
 
+# ----------------------------------------------------------------------------- chunked local attention
+def test_reference_chunks_match_an_explicit_mask():
+    """torch_native's chunks against SDPA with the mask spelled as Llama 4's masking spells it."""
+    b, n, hq, hkv, d, c = 2, 21, 4, 2, 16, 8
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(b * n, h, d, generator=gen) for h in (hq, hkv, hkv))
+    layer = dataclasses.replace(layer_for(hq, hkv, d), chunk_size=c)
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    mask = (j <= i) & (j // c == i // c)
+    qs, ks, vs = (x.view(b, n, -1, d).transpose(1, 2) for x in (q, k, v))
+    want = torch.nn.functional.scaled_dot_product_attention(qs, ks.repeat_interleave(2, 1), vs.repeat_interleave(2, 1),
+                                                            attn_mask=mask, scale=d**-0.5)  # fmt: skip
+    got = TorchNativeBackend().forward_dense(q, k, v, layer, b)
+    torch.testing.assert_close(got, want.transpose(1, 2).reshape(b * n, hq, d), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("prefix,extend,chunk,bound", [
+    ([0, 6], [19, 4], 8, None),  # chunks start inside the new tokens and inside the prefix
+    ([13, 2], [5, 30], 4, None),
+    ([16, 0], [3, 17], 8, 48),  # a captured graph's static bound
+    ([3, 9], [9, 1], 1, None),  # chunks of one: each token sees itself only
+])  # fmt: skip
+def test_extend_with_chunks_matches_reference(prefix, extend, chunk, bound):
+    pool, batch, q, k, v = make_step(prefix, extend, hq=4, hkv=2, d=16, page_size=4, dtype=torch.float32, seed=chunk + sum(extend))
+    if bound is not None:
+        batch = dataclasses.replace(batch, static_max_extend_len=bound)
+    layer = dataclasses.replace(layer_for(4, 2, 16), chunk_size=chunk)
+    out = run_and_check(TritonBackend(), q, k, v, layer, batch)
+    causal = reference(q, layer_for(4, 2, 16), batch)
+    assert (out.float() - causal).abs().max() > 1e-2  # the chunks changed the result
+
+
+@pytest.mark.parametrize("chunk,window", [(8, -1), (16, -1), (8, 3)])
+def test_decode_with_chunks_matches_reference(chunk, window):
+    seq_lens = [1, 8, 9, 19, 40]  # first key of a chunk, last of one, and deep inside
+    pool, batch, q, k, v = make_step([s - 1 for s in seq_lens], [1] * 5, hq=8, hkv=2, d=16, page_size=4, dtype=torch.float32)
+    layer = dataclasses.replace(layer_for(8, 2, 16, window_left=window), chunk_size=chunk)
+    run_and_check(TritonBackend(min_split_len=8, max_kv_splits=4), q, k, v, layer, batch)  # several splits
+
+
+def test_dense_with_chunks_matches_reference():
+    b, n, hq, hkv, d = 2, 19, 4, 2, 16
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(b * n, h, d, generator=gen).to(DEVICE) for h in (hq, hkv, hkv))
+    layer = dataclasses.replace(layer_for(hq, hkv, d), chunk_size=8)
+    out = TritonBackend().forward_dense(q, k, v, layer, b)
+    torch.testing.assert_close(out, TorchNativeBackend().forward_dense(q, k, v, layer, b), atol=2e-5, rtol=2e-5)
+
+
+def test_chunks_without_a_causal_mask_are_refused():
+    pool, batch, q, k, v = make_step([0], [5], hq=4, hkv=2, d=16, page_size=4, dtype=torch.float32)
+    layer = dataclasses.replace(layer_for(4, 2, 16, causal=False), chunk_size=4)
+    backend = TritonBackend()
+    backend.init_forward_metadata(batch)
+    with pytest.raises(ValueError, match="causal"):
+        backend.forward(q, k, v, layer, batch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("bsz", [1, 7, 64])
+def test_gpu_chunks_and_sinks_fp32(page_size, bsz):
+    """fp32, lengths to 4096: chunked decode and extend, and sinks, against torch_native."""
+    rng = random.Random(page_size * 100 + bsz)
+    lens = [rng.randint(1, 4096) for _ in range(bsz)]
+    lens[0] = 4096
+    pool, batch, q, k, v = make_step([n - 1 for n in lens], [1] * bsz, hq=8, hkv=2, d=64, page_size=page_size,
+                                     dtype=torch.float32, mode=ForwardMode.DECODE, seed=bsz)  # fmt: skip
+    run_and_check(TritonBackend(), q, k, v, dataclasses.replace(layer_for(8, 2, 64), chunk_size=1024), batch)
+    run_and_check(TritonBackend(), q, k, v, _with_sinks(layer_for(8, 2, 64, window_left=511), 4), batch)
+    budget = max(1, 8192 // bsz)
+    extend = [rng.randint(1, min(n, budget)) for n in lens]
+    pool, batch, q, k, v = make_step([n - e for n, e in zip(lens, extend)], extend, hq=8, hkv=2, d=64,
+                                     page_size=page_size, dtype=torch.float32, seed=bsz + 1)  # fmt: skip
+    run_and_check(TritonBackend(), q, k, v, dataclasses.replace(layer_for(8, 2, 64), chunk_size=1024), batch)
+    run_and_check(TritonBackend(), q, k, v, _with_sinks(layer_for(8, 2, 64), 5), batch)
+
+
 # ----------------------------------------------------------------------------- contract
 def test_registry_and_capabilities():
     assert registry.get_backend_class("triton") is TritonBackend

@@ -52,6 +52,14 @@ class CustomMask(P.Proj):
             m = (j <= i) & ((i - j) % 2 == 0)
         elif f == "causal":
             m = j <= i
+        elif f == "chunks of 8":  # Llama 4's local layers
+            m = (j <= i) & (j // 8 == i // 8)
+        elif f == "chunks of 8 by remainder":
+            m = (j <= i) & (j >= i - i % 8)
+        elif f == "chunks of 8 from position 1":  # not the chunks the op attends in
+            m = (j <= i) & ((j + 1) // 8 == (i + 1) // 8)
+        elif f == "chunks growing with the length":
+            m = (j <= i) & (j // (s // 4) == i // (s // 4))
         else:
             raise ValueError(f)
         m = m[None, None]
@@ -82,6 +90,10 @@ CASES = [  # form, expected per graph: (static graph at S=10, symbolic graph); a
     ("window growing with the length", (3, "refused")),  # 10 // 3 = 3 in the static graph
     ("even distances", ("refused", "refused")),
     ("causal", ("causal", "causal")),
+    ("chunks of 8", ("chunks 8", "chunks 8")),
+    ("chunks of 8 by remainder", ("chunks 8", "chunks 8")),
+    ("chunks of 8 from position 1", ("refused", "refused")),
+    ("chunks growing with the length", ("chunks 2", "refused")),  # 10 // 4 = 2 in the static graph
 ]
 
 
@@ -95,8 +107,11 @@ def test_custom_masks_equal_eager_at_every_length(form, expected, eager):
         if want == "refused":
             assert not site.lowered and site.reason, str(backend.report)
             assert "mask" in site.reason, site.reason
+        elif isinstance(want, str) and want.startswith("chunks"):
+            assert site.lowered and site.causal and site.window_left == -1, str(backend.report)
+            assert site.chunk_size == int(want.split()[1]), site.reason
         else:
-            assert site.lowered and site.causal, str(backend.report)
+            assert site.lowered and site.causal and site.chunk_size == 0, str(backend.report)
             assert site.window_left == (-1 if want == "causal" else want - 1), site.reason
 
 
@@ -129,6 +144,10 @@ def window(w: int) -> MaskPattern:
     return MaskPattern(True, w - 1)
 
 
+def chunks(n: int) -> MaskPattern:
+    return MaskPattern(True, -1, n)
+
+
 @pytest.mark.parametrize(
     "allowed,pattern,expected",
     [
@@ -153,6 +172,13 @@ def window(w: int) -> MaskPattern:
         ((c <= r) | (c <= r - 5), CAUSAL, True),
         (sympy.Piecewise((c <= r, r >= 5), (c <= r, True)), CAUSAL, True),
         (sympy.Piecewise((c <= r, r >= 5), (c <= r + 1, True)), CAUSAL, False),
+        ((c <= r) & sympy.Eq(sympy.floor(c / 8), sympy.floor(r / 8)), chunks(8), True),
+        ((c <= r) & (c >= r - sympy.Mod(r, 8)), chunks(8), True),
+        ((c <= r) & sympy.Eq(sympy.floor(c / 8), sympy.floor(r / 8)), chunks(4), False),
+        ((c <= r) & sympy.Eq(sympy.floor(c / 8), sympy.floor(r / 8)), window(8), False),
+        ((c <= r) & sympy.Eq(sympy.floor(c / 8), sympy.floor(r / 8)), CAUSAL, False),
+        ((c <= r) & (c > r - 8), chunks(8), False),
+        ((c <= r) & sympy.Eq(sympy.floor((c + 1) / 8), sympy.floor((r + 1) / 8)), chunks(8), False),
     ],
 )
 def test_prove_pattern_on_synthetic_predicates(allowed, pattern, expected):
@@ -184,6 +210,9 @@ def test_static_length_only_needs_that_length():
         ((c <= r) & (sympy.floor((r - c) / 4) < 4), window(16)),
         (sympy.true, FULL),
         ((c <= r) & (r - c < sympy.floor(s / 3)), window(349525)),  # read at the long length; the proof refuses
+        ((c <= r) & sympy.Eq(sympy.floor(c / 8), sympy.floor(r / 8)), chunks(8)),
+        ((c <= r) & sympy.Eq(sympy.floor(c / 8192), sympy.floor(r / 8192)), chunks(8192)),
+        ((c <= r) & (c >= r - sympy.Mod(r, 6)), chunks(6)),
     ],
 )
 def test_candidate_is_read_at_a_long_length(allowed, expected):
@@ -191,7 +220,7 @@ def test_candidate_is_read_at_a_long_length(allowed, expected):
 
 
 def test_candidate_refuses_a_shape_that_is_no_pattern():
-    with pytest.raises(NotProvable, match="not causal, sliding-window causal, or full"):
+    with pytest.raises(NotProvable, match="not causal, sliding-window causal, chunked causal, or full"):
         candidate_pattern(c < r, SHAPE, s, s, RANGES)  # shifted: no query sees itself
 
 

@@ -20,17 +20,40 @@ from attngraph.runtime.paged_cache import PagedCache
 
 pytestmark = pytest.mark.gpu
 
-SHAPES = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}
+COMMON = dict(
+    vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+    num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, initializer_range=0.02,
+)
+# arch -> (config class, overrides, attention implementation). Windows and chunks of 32 keys
+# are shorter than the prompts plus the 64 new tokens.
+SHAPES = {
+    "llama": (transformers.LlamaConfig, {}, "sdpa"),
+    "qwen2": (transformers.Qwen2Config, {}, "sdpa"),
+    "gpt_oss": (  # attention sinks on sliding and full layers; transformers has eager attention only
+        transformers.GptOssConfig,
+        dict(sliding_window=32, num_local_experts=4, num_experts_per_tok=2,
+             layer_types=["sliding_attention", "full_attention"] * 2),
+        "eager",
+    ),
+    "llama4": (  # chunked local layers (RoPE) and global NoPE layers; dense MLPs
+        transformers.Llama4TextConfig,
+        dict(intermediate_size_mlp=1024, attention_chunk_size=32, no_rope_layers=[1, 1, 1, 0], moe_layers=[],
+             attn_temperature_tuning=False),
+        "sdpa",
+    ),
+}
 
 
 def model_of(arch: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    cfg = SHAPES[arch](
-        vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
-        initializer_range=0.02,
-    )
-    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
+    cls, overrides, impl = SHAPES[arch]
+    cfg = cls(**{**COMMON, **overrides})
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation=impl).cuda().eval()
+    if arch == "gpt_oss":  # sinks start at zero: make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0, 2)
+    return model
 
 
 def batch(vocab: int, lengths=(40, 17, 33, 8)):
@@ -52,8 +75,11 @@ def assert_bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
     )
 
 
-@pytest.mark.parametrize("backend", ["flashinfer", "triton"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize(
+    "arch,backend",
+    [("llama", "flashinfer"), ("llama", "triton"), ("qwen2", "flashinfer"), ("qwen2", "triton"),
+     ("gpt_oss", "triton"), ("llama4", "triton")],  # FlashInfer serves neither sinks nor chunks here
+)  # fmt: skip
 def test_accelerated_generate_on_gpu(arch, backend):
     if backend == "flashinfer":
         pytest.importorskip("flashinfer")

@@ -86,6 +86,14 @@ def window_arg(window_left: int) -> int:
     return NO_WINDOW if window_left < 0 else int(window_left)
 
 
+def chunk_arg(chunk_size: int, causal: bool = True) -> int:
+    """The kernels' chunk argument: ``chunk_size`` or `NO_WINDOW` for ``0`` (every position
+    then lies in chunk 0). Chunked local attention is causal only."""
+    if chunk_size < 0 or (chunk_size > 0 and not causal):
+        raise ValueError(f"chunk_size must be >= 0 and needs a causal mask; got {chunk_size} (causal={causal})")
+    return NO_WINDOW if chunk_size == 0 else int(chunk_size)
+
+
 def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
     if t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tuple(t.stride())}")
@@ -108,26 +116,27 @@ def _softcap(s, cap):
 
 
 @triton.jit
-def _split_plan(seq_len, window, max_splits, min_split_len, SPLIT_ALIGN: tl.constexpr):
+def _split_plan(seq_len, window, chunk, max_splits, min_split_len, SPLIT_ALIGN: tl.constexpr):
     """Keys ``[kv_lo, seq_len)`` of a decode query at ``seq_len - 1``, cut into splits.
 
-    Returns ``(kv_lo, chunk, num_splits)``: split ``s`` covers
-    ``[kv_lo + s * chunk, min(kv_lo + (s + 1) * chunk, seq_len))``; every one of the
+    Returns ``(kv_lo, split_len, num_splits)``: split ``s`` covers
+    ``[kv_lo + s * split_len, min(kv_lo + (s + 1) * split_len, seq_len))``; every one of the
     ``num_splits`` splits is non-empty (``num_splits = 0`` only when ``seq_len = 0``).
-    ``chunk`` is a multiple of ``SPLIT_ALIGN`` (the key block) so no block straddles splits.
+    ``split_len`` is a multiple of ``SPLIT_ALIGN`` (the key block) so no block straddles splits.
     """
-    kv_lo = tl.maximum(seq_len - 1 - window, 0)
+    # from the window's start or the query's chunk's start, whichever is later
+    kv_lo = tl.maximum(tl.maximum(seq_len - 1 - window, (seq_len - 1) // chunk * chunk), 0)
     span = seq_len - kv_lo
     want = tl.minimum(tl.maximum(tl.cdiv(span, min_split_len), 1), max_splits)
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(span, want), SPLIT_ALIGN) * SPLIT_ALIGN, SPLIT_ALIGN)
-    return kv_lo, chunk, tl.cdiv(span, chunk)
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(span, want), SPLIT_ALIGN) * SPLIT_ALIGN, SPLIT_ALIGN)
+    return kv_lo, split_len, tl.cdiv(span, split_len)
 
 
 # ----------------------------------------------------------------------------- kernels
 @triton.jit
 def _decode_stage1_kernel(
     Q, K, V, ReqToPage, ReqIdx, SeqLens, PartO, PartLse,
-    scale, logit_cap, window, max_splits, min_split_len,
+    scale, logit_cap, window, chunk, max_splits, min_split_len,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_rtp,
     stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, V_HEAD_DIM: tl.constexpr,
@@ -138,11 +147,11 @@ def _decode_stage1_kernel(
     kvh = tl.program_id(1)
     sid = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
-    kv_lo, chunk, num_splits = _split_plan(seq_len, window, max_splits, min_split_len, BLOCK_N)
+    kv_lo, split_len, num_splits = _split_plan(seq_len, window, chunk, max_splits, min_split_len, BLOCK_N)
     if sid >= num_splits:
         return
-    start = kv_lo + sid * chunk
-    end = tl.minimum(start + chunk, seq_len)
+    start = kv_lo + sid * split_len
+    end = tl.minimum(start + split_len, seq_len)
     row = tl.load(ReqIdx + b).to(tl.int64)
 
     offs_g = tl.arange(0, BLOCK_H)
@@ -188,14 +197,14 @@ def _decode_stage1_kernel(
 @triton.jit
 def _decode_stage2_kernel(
     PartO, PartLse, Out, SeqLens, Sinks,
-    window, max_splits, min_split_len,
+    window, chunk, max_splits, min_split_len,
     stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh,
     V_HEAD_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, SPLIT_ALIGN: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(SeqLens + b)
-    _, _, num_splits = _split_plan(seq_len, window, max_splits, min_split_len, SPLIT_ALIGN)
+    _, _, num_splits = _split_plan(seq_len, window, chunk, max_splits, min_split_len, SPLIT_ALIGN)
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < V_HEAD_DIM
     # Kept as [BLOCK_DV] vectors (all lanes equal) so the loop carries one type.
@@ -258,6 +267,7 @@ def decode_attention_fwd(
     logit_cap: float = 0.0,
     window_left: int = -1,
     sinks: torch.Tensor | None = None,
+    chunk_size: int = 0,
 ) -> torch.Tensor:
     """Decode attention of one new token per request over its paged keys ``0..seq_len-1``.
 
@@ -279,10 +289,13 @@ def decode_attention_fwd(
     window_left: keys ``j >= seq_len - 1 - window_left`` only, when >= 0.
     sinks: ``[Hq]`` attention-sink logits (GPT-OSS), in the units of the scaled scores: each
         joins its head's softmax denominator as a key without a value. None: no sinks.
+    chunk_size: chunked local attention (Llama 4): keys ``j >= (seq_len - 1) - (seq_len - 1) %
+        chunk_size`` only, when > 0.
 
     Returns ``out``.
     """
     bsz, hq, d = q.shape
+    chunk = chunk_arg(chunk_size)
     hkv, dv = k_buffer.shape[1], v_buffer.shape[2]
     if hq % hkv:
         raise ValueError(f"num_q_heads {hq} is not a multiple of num_kv_heads {hkv}")
@@ -304,7 +317,7 @@ def decode_attention_fwd(
     # Query heads of a group are padded to a power of two >= 16 (tl.dot's smallest M).
     _decode_stage1_kernel[(bsz, hkv, max_splits)](
         q, k_buffer, v_buffer, req_to_page, req_pool_indices, seq_lens, partial_out, partial_lse,
-        float(scale), cap, window, max_splits, min_split_len,
+        float(scale), cap, window, chunk, max_splits, min_split_len,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_page.stride(0),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
@@ -317,7 +330,7 @@ def decode_attention_fwd(
     )  # fmt: skip
     _decode_stage2_kernel[(bsz, hq)](
         partial_out, partial_lse, out, seq_lens, check_sinks(sinks, hq, q),
-        window, max_splits, min_split_len,
+        window, chunk, max_splits, min_split_len,
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1), out.stride(0), out.stride(1),
         V_HEAD_DIM=dv, BLOCK_DV=block_dv, SPLIT_ALIGN=block_n, HAS_SINKS=sinks is not None,

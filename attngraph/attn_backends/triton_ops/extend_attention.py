@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import _dot, _softcap, check_last_dim_contiguous, check_sinks, dot_options, interpreting, window_arg
+from .decode_attention import _dot, _softcap, check_last_dim_contiguous, check_sinks, chunk_arg, dot_options, interpreting, window_arg
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ _LOG2E = tl.constexpr(1.4426950408889634)  # globals read by @jit code must be c
 
 @triton.jit
 def _attend(
-    q, m_i, l_i, acc, K, V, ReqToPage, row, kv_base, kvh, q_pos, start, end,
+    q, m_i, l_i, acc, K, V, ReqToPage, row, kv_base, kvh, q_pos, q_lo, start, end,
     scale, logit_cap, window, stride_ks, stride_kh, stride_vs, stride_vh, stride_rtp,
     offs_d, mask_d, offs_dv, mask_dv,
     MASKED: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CAP: tl.constexpr,
@@ -48,7 +48,8 @@ def _attend(
     ``[BLOCK_M, BLOCK_DV]``) with the keys ``[start, end)``.
 
     ``MASKED=False`` is for key ranges every query of the block may fully see (``end - start`` a
-    multiple of ``BLOCK_N``): no bounds, causal or window masks there.
+    multiple of ``BLOCK_N``): no bounds, causal or window masks there. ``q_lo``: ``[BLOCK_M]``
+    the first key each query may see (its window's or its chunk's start).
     """
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
@@ -69,7 +70,7 @@ def _attend(
         else:
             s = s * (scale * _LOG2E)
         if MASKED:
-            ok = mask_n[None, :] & (pos[None, :] >= q_pos[:, None] - window)
+            ok = mask_n[None, :] & (pos[None, :] >= q_lo[:, None])
             if CAUSAL:
                 ok = ok & (pos[None, :] <= q_pos[:, None])
             else:
@@ -91,7 +92,7 @@ def _attend(
 @triton.jit
 def _extend_kernel(
     Q, K, V, Out, ReqToPage, ReqIdx, SeqLens, QoIndptr, Sinks,
-    scale, logit_cap, window, dense_q_len, dense_kv_len, last_slot,
+    scale, logit_cap, window, chunk, dense_q_len, dense_kv_len, last_slot,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_rtp,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, V_HEAD_DIM: tl.constexpr,
     PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CAP: tl.constexpr,
@@ -150,35 +151,38 @@ def _extend_kernel(
 
     # Keys [lo, hi): what any query of the block may see. Inside it, [mid_lo, mid_hi) is what
     # every query of the block sees in full (whole key blocks): that part skips the masks.
+    # A query at p sees keys from max(p - window, the start of its chunk): both bounds grow with
+    # p, so the block's first query has the lowest and its last query the highest.
+    q_lo = tl.maximum(q_pos - window, q_pos // chunk * chunk)  # [BLOCK_M]
     first_pos = prefix + m0
     last_pos = prefix + tl.minimum(m0 + BLOCK_M, ext_len) - 1
-    lo = tl.maximum(first_pos - window, 0)
+    lo = tl.maximum(tl.maximum(first_pos - window, first_pos // chunk * chunk), 0)
     if CAUSAL:
         hi = tl.minimum(last_pos + 1, seq_len)
         full_hi = tl.minimum(first_pos + 1, hi)
     else:
         hi = tl.minimum(last_pos + window + 1, seq_len)
         full_hi = tl.minimum(first_pos + window + 1, hi)
-    mid_lo = tl.minimum(tl.maximum(last_pos - window, lo), hi)
+    mid_lo = tl.minimum(tl.maximum(tl.maximum(last_pos - window, last_pos // chunk * chunk), lo), hi)
     mid_hi = mid_lo + tl.maximum(full_hi - mid_lo, 0) // BLOCK_N * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     m_i, l_i, acc = _attend(
-        q, m_i, l_i, acc, K, V, ReqToPage, row, kv_base, kvh, q_pos, mid_lo, mid_hi,
+        q, m_i, l_i, acc, K, V, ReqToPage, row, kv_base, kvh, q_pos, q_lo, mid_lo, mid_hi,
         scale, logit_cap, window, stride_ks, stride_kh, stride_vs, stride_vh, stride_rtp,
         offs_d, mask_d, offs_dv, mask_dv,
         False, PAGED, CAUSAL, HAS_CAP, PAGE_SIZE, BLOCK_N, UPCAST, PRECISION,
     )  # fmt: skip
     m_i, l_i, acc = _attend(
-        q, m_i, l_i, acc, K, V, ReqToPage, row, kv_base, kvh, q_pos, lo, mid_lo,
+        q, m_i, l_i, acc, K, V, ReqToPage, row, kv_base, kvh, q_pos, q_lo, lo, mid_lo,
         scale, logit_cap, window, stride_ks, stride_kh, stride_vs, stride_vh, stride_rtp,
         offs_d, mask_d, offs_dv, mask_dv,
         True, PAGED, CAUSAL, HAS_CAP, PAGE_SIZE, BLOCK_N, UPCAST, PRECISION,
     )  # fmt: skip
     m_i, l_i, acc = _attend(
-        q, m_i, l_i, acc, K, V, ReqToPage, row, kv_base, kvh, q_pos, mid_hi, hi,
+        q, m_i, l_i, acc, K, V, ReqToPage, row, kv_base, kvh, q_pos, q_lo, mid_hi, hi,
         scale, logit_cap, window, stride_ks, stride_kh, stride_vs, stride_vh, stride_rtp,
         offs_d, mask_d, offs_dv, mask_dv,
         True, PAGED, CAUSAL, HAS_CAP, PAGE_SIZE, BLOCK_N, UPCAST, PRECISION,
@@ -254,11 +258,12 @@ def _fill_the_gpu(block_m: int, num_warps: int, num_tokens: int, num_heads: int,
 
 def _launch(q, k, v, out, req_to_page, req_pool_indices, seq_lens, qo_indptr, grid_m, bsz,
             scale, logit_cap, window_left, causal, page_size, paged, dense_q_len, dense_kv_len,
-            packed=False, sinks=None):  # fmt: skip
+            packed=False, sinks=None, chunk_size=0):  # fmt: skip
     """Shared launch of `_extend_kernel`; ``grid_m``: longest run of queries of one request
     (``packed``: the total of the new tokens, and the grid packs every request's blocks)."""
     t, hq, d = q.shape
     hkv, dv = k.shape[1], v.shape[2]
+    chunk = chunk_arg(chunk_size, causal)  # a chunk without a causal mask is refused before any work
     if hq % hkv:
         raise ValueError(f"num_q_heads {hq} is not a multiple of num_kv_heads {hkv}")
     for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
@@ -276,7 +281,7 @@ def _launch(q, k, v, out, req_to_page, req_pool_indices, seq_lens, qo_indptr, gr
         steps = 0
     _extend_kernel[grid](
         q, k, v, out, req_to_page, req_pool_indices, seq_lens, qo_indptr, check_sinks(sinks, hq, q),
-        float(scale), float(logit_cap) if logit_cap > 0 else 1.0, window_arg(window_left),
+        float(scale), float(logit_cap) if logit_cap > 0 else 1.0, window_arg(window_left), chunk,
         dense_q_len, dense_kv_len, bsz - 1,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), req_to_page.stride(0),
@@ -308,6 +313,7 @@ def extend_attention_fwd(
     logit_cap: float = 0.0,
     static_num_tokens: int | None = None,
     sinks: torch.Tensor | None = None,
+    chunk_size: int = 0,
 ) -> torch.Tensor:
     """Attention of the new tokens of every request over its paged keys ``0..seq_len-1``.
 
@@ -330,16 +336,18 @@ def extend_attention_fwd(
         (request, block) pair: empty requests of a graph cost one program, not a column).
     sinks: ``[Hq]`` attention-sink logits in the units of the scaled scores (GPT-OSS): each
         joins its head's softmax denominator as a key without a value. None: no sinks.
+    chunk_size: chunked local attention (Llama 4), causal only: a query at position ``p`` sees
+        keys ``j >= p - p % chunk_size`` only, when > 0.
 
     Returns ``out``.
     """
     if static_num_tokens is not None:
         return _launch(q, k_buffer, v_buffer, out, req_to_page, req_pool_indices, seq_lens, qo_indptr,
                        int(static_num_tokens), int(req_pool_indices.shape[0]), scale, logit_cap, window_left,
-                       causal, page_size, True, 0, 0, packed=True, sinks=sinks)  # fmt: skip
+                       causal, page_size, True, 0, 0, packed=True, sinks=sinks, chunk_size=chunk_size)  # fmt: skip
     return _launch(q, k_buffer, v_buffer, out, req_to_page, req_pool_indices, seq_lens, qo_indptr,
                    int(max_extend_len), int(req_pool_indices.shape[0]), scale, logit_cap, window_left,
-                   causal, page_size, True, 0, 0, sinks=sinks)  # fmt: skip
+                   causal, page_size, True, 0, 0, sinks=sinks, chunk_size=chunk_size)  # fmt: skip
 
 
 def dense_attention_fwd(
@@ -354,6 +362,7 @@ def dense_attention_fwd(
     window_left: int = -1,
     logit_cap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    chunk_size: int = 0,
 ) -> torch.Tensor:
     """Attention over ``batch_size`` equal-length sequences (the stateless form).
 
@@ -366,4 +375,5 @@ def dense_attention_fwd(
         return out
     sq, sk = q.shape[0] // b, k.shape[0] // b
     # The paged-only pointer arguments are never read when PAGED=False: any tensor will do.
-    return _launch(q, k, v, out, q, q, q, q, sq, b, scale, logit_cap, window_left, causal, 1, False, sq, sk, sinks=sinks)
+    return _launch(q, k, v, out, q, q, q, q, sq, b, scale, logit_cap, window_left, causal, 1, False, sq, sk, sinks=sinks,
+                   chunk_size=chunk_size)
