@@ -31,7 +31,9 @@ SHAPES = {
     "qwen2": (transformers.Qwen2Config, {}, "sdpa"),
     "gpt_oss": (  # attention sinks on sliding and full layers; transformers has eager attention only
         transformers.GptOssConfig,
-        dict(sliding_window=32, num_local_experts=4, num_experts_per_tok=2,
+        # every expert on every token: a top-k choice flipped by a bf16 rounding would change a
+        # token's logits wholesale, which says nothing about attention
+        dict(sliding_window=32, num_local_experts=4, num_experts_per_tok=4,
              layer_types=["sliding_attention", "full_attention"] * 2),
         "eager",
     ),
