@@ -45,3 +45,31 @@ def test_paged_runtime_refuses_the_temperature_and_the_moe():
     assert "model.layers.1.self_attn" in text and "arange over tokens" in text, text
     assert "model.layers.1.feed_forward" in text, text  # repeat / view of the dense MoE
     assert not hasattr(model, "_attngraph_state")
+
+
+def test_backends_without_chunks_are_refused_with_the_reason():
+    from attngraph.attn_backends.base import BackendCapabilities, ModelAttentionSpec
+    from attngraph.attn_backends.hybrid import create_attention_backend
+
+    spec = ModelAttentionSpec(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dims=(64,), dtype=torch.bfloat16,
+                              device_type="cuda", page_size=16, uses_chunks=True)  # fmt: skip
+    caps = BackendCapabilities(device_types=("cuda",), dtypes=(torch.bfloat16,), chunked=False)
+    assert "chunked local attention" in caps.why_not(spec)
+    assert BackendCapabilities(device_types=("cuda",), dtypes=(torch.bfloat16,)).why_not(spec) is None
+    cpu = ModelAttentionSpec(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dims=(16,), dtype=torch.float32,
+                             device_type="cpu", page_size=4, uses_chunks=True)  # fmt: skip
+    assert create_attention_backend("torch_native", spec=cpu).capabilities.chunked
+    flashinfer = pytest.importorskip("attngraph.attn_backends.flashinfer_backend")
+    assert not flashinfer.FlashInferBackend.capabilities.chunked
+
+
+def test_a_prompt_with_holes_is_refused_for_a_chunked_model():
+    from ..hf_models import build_model
+
+    model = build_model("llama4", "sdpa")
+    attngraph.accelerate(model, attention_backend="torch_native", page_size=4)
+    ids = torch.randint(3, 96, (1, 12))
+    mask = torch.ones_like(ids)
+    mask[0, 5] = 0  # a hole between real tokens
+    with pytest.raises(attngraph.UnsupportedGenerationError, match="chunked"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
