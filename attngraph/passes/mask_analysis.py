@@ -250,9 +250,10 @@ def classify(mask: torch.Tensor, q_len: int, k_len: int) -> MaskPattern:
     if q_len and int(widths.max()) > 0:
         candidates.append(MaskPattern(True, int(widths.max()) - 1))
     # chunks: the first position after 0 whose query sees only itself starts the second chunk
-    alone = [i for i in range(q_len) if int(q_pos[i]) > 0 and int(widths[i]) == 1 and bool(a[i, int(q_pos[i])])]
-    if alone:
-        candidates.append(MaskPattern(True, -1, int(q_pos[alone[0]])))
+    if q_len:
+        alone = (q_pos > 0) & (widths == 1) & a[torch.arange(q_len, device=a.device), q_pos]
+        if bool(alone.any()):
+            candidates.append(MaskPattern(True, -1, int(q_pos[alone.nonzero()[0, 0]])))
     for cand in candidates:
         layer = AttentionLayer(0, 1, 1, 1, 1, 1.0, cand.causal, cand.window_left, chunk_size=cand.chunk_size)
         if bool((allowed_keys(q_pos, k_len, layer) == a).all()):
