@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Optional, Sequence
 
 import torch
 
@@ -24,18 +25,22 @@ from .forward_context import get_forward_context
 @functools.lru_cache(maxsize=4096)
 def _static_layer(
     layer_id: int, hq: int, hkv: int, d: int, dv: int, scale: float, causal: bool, window_left: int, logit_cap: float,
-    chunk_size: int,
+    chunk_size: int, alibi_slopes: tuple[float, ...] | None,
 ) -> AttentionLayer:
     if chunk_size < 0 or (chunk_size > 0 and not causal):
         raise ValueError(f"chunk_size must be >= 0 and needs causal=True; got {chunk_size} (causal={causal})")
-    return AttentionLayer(layer_id, hq, hkv, d, dv, scale, causal, window_left, logit_cap, chunk_size=chunk_size)
+    if alibi_slopes is not None and len(alibi_slopes) != hq:
+        raise ValueError(f"alibi_slopes has {len(alibi_slopes)} slopes for {hq} query heads")
+    return AttentionLayer(layer_id, hq, hkv, d, dv, scale, causal, window_left, logit_cap, chunk_size=chunk_size,
+                          alibi_slopes=alibi_slopes)  # fmt: skip
 
 
 def _layer(layer_id, hq, hkv, d, dv, scale, causal, window_left, logit_cap, sinks: torch.Tensor | None = None,
-           chunk_size: int = 0) -> AttentionLayer:  # fmt: skip
+           chunk_size: int = 0, alibi_slopes: Sequence[float] | None = None) -> AttentionLayer:  # fmt: skip
     """The site's `AttentionLayer` (cached by its static attributes; a layer with sinks carries
     the tensor this call received)."""
-    layer = _static_layer(layer_id, hq, hkv, d, dv, scale, causal, window_left, logit_cap, chunk_size)
+    slopes = tuple(float(x) for x in alibi_slopes) if alibi_slopes is not None else None
+    layer = _static_layer(layer_id, hq, hkv, d, dv, scale, causal, window_left, logit_cap, chunk_size, slopes)
     return layer if sinks is None else dataclasses.replace(layer, sinks=sinks)
 
 
@@ -56,8 +61,9 @@ def attention_impl(
     window_left: int,
     logit_cap: float,
     batch_size: int,
-    sinks: torch.Tensor | None = None,
+    sinks: Optional[torch.Tensor] = None,
     chunk_size: int = 0,
+    alibi_slopes: Optional[Sequence[float]] = None,
 ) -> torch.Tensor:
     """Attention of ``q: [T, Hq, D]`` over ``k: [Tk, Hkv, D]``, ``v: [Tk, Hkv, Dv]`` -> ``[T, Hq, Dv]``.
 
@@ -67,12 +73,14 @@ def attention_impl(
     ``sinks``: ``[Hq]`` attention-sink logits in the units of the scaled scores (GPT-OSS),
     each one more softmax term of its head without a value; None: no sinks. ``chunk_size``:
     causal attention within chunks of that many positions (Llama 4's local layers); 0: none.
+    ``alibi_slopes``: ``[Hq]`` ALiBi slopes, ``slope * (key position - query position)`` added
+    to the scaled scores (Falcon, Bloom, MPT); None: no bias.
 
     The body of `torch.ops.attngraph.attention`; the piecewise runtime calls it directly
     between graph pieces (no dispatcher round trip).
     """
     layer = _layer(layer_id, q.shape[1], k.shape[1], q.shape[2], v.shape[2], scale, causal, window_left, logit_cap, sinks,
-                   chunk_size)  # fmt: skip
+                   chunk_size, alibi_slopes)  # fmt: skip
     ctx = get_forward_context()
     if ctx is not None and ctx.batch is not None:
         n = ctx.batch.num_tokens
@@ -81,7 +89,7 @@ def attention_impl(
         # Rows past the batch's tokens pad the graph input (see RaggedModel): zero output, no K/V.
         out = q.new_zeros((q.shape[0], q.shape[1], v.shape[2]))
         return paged_attention_into(out, q, k, v, layer_id, scale, causal, window_left, logit_cap, batch_size, sinks,
-                                    chunk_size)  # fmt: skip
+                                    chunk_size, alibi_slopes)  # fmt: skip
     if q.shape[0] == 0 or batch_size == 0:  # an empty batch: nothing to attend (eager gives [0, ...] too)
         return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
     backend = ctx.backend if ctx is not None else _reference_backend()
@@ -101,6 +109,7 @@ def paged_attention_into(
     batch_size: int,
     sinks: torch.Tensor | None = None,
     chunk_size: int = 0,
+    alibi_slopes: Sequence[float] | None = None,
 ) -> torch.Tensor:
     """The paged form writing rows ``[:n]`` of ``out: [T, Hq, Dv]`` (n: the published batch's
     tokens; rows past n are padding and keep whatever they held: the rows of a token-wise
@@ -108,7 +117,7 @@ def paged_attention_into(
     ctx = get_forward_context()
     n = ctx.batch.num_tokens
     layer = _layer(layer_id, q.shape[1], k.shape[1], q.shape[2], v.shape[2], scale, causal, window_left, logit_cap, sinks,
-                   chunk_size)  # fmt: skip
+                   chunk_size, alibi_slopes)  # fmt: skip
     ctx.backend.forward(q[:n], k[:n], v[:n], layer, ctx.batch, out=out[:n])
     return out
 
@@ -118,15 +127,16 @@ attention.__doc__ = attention_impl.__doc__
 
 
 @attention.register_fake
-def _(q, k, v, layer_id, scale, causal, window_left, logit_cap, batch_size, sinks=None, chunk_size=0):
+def _(q, k, v, layer_id, scale, causal, window_left, logit_cap, batch_size, sinks=None, chunk_size=0, alibi_slopes=None):
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, layer_id, scale, causal, window_left, logit_cap, batch_size, sinks, chunk_size = inputs
+    q, k, v, layer_id, scale, causal, window_left, logit_cap, batch_size, sinks, chunk_size, alibi_slopes = inputs
     ctx.has_sinks = sinks is not None
     ctx.save_for_backward(q, k, v, *((sinks,) if sinks is not None else ()))
-    ctx.attrs = (layer_id, scale, causal, window_left, logit_cap, batch_size, chunk_size)
+    slopes = tuple(alibi_slopes) if alibi_slopes is not None else None
+    ctx.attrs = (layer_id, scale, causal, window_left, logit_cap, batch_size, chunk_size, slopes)
 
 
 def _backward(ctx, grad_out: torch.Tensor):
@@ -139,15 +149,15 @@ def _backward(ctx, grad_out: torch.Tensor):
     if fwd_ctx is not None and fwd_ctx.batch is not None:
         raise RuntimeError("attngraph paged attention is inference-only; run it under torch.no_grad()")
     q, k, v, *rest = ctx.saved_tensors
-    layer_id, scale, causal, window_left, logit_cap, batch_size, chunk_size = ctx.attrs
+    layer_id, scale, causal, window_left, logit_cap, batch_size, chunk_size, slopes = ctx.attrs
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_(True) for t in (q, k, v, *rest)]
         sinks = leaves[3] if ctx.has_sinks else None
         layer = AttentionLayer(layer_id, q.shape[1], k.shape[1], q.shape[2], v.shape[2], scale, causal, window_left,
-                               logit_cap, sinks, chunk_size)  # fmt: skip
+                               logit_cap, sinks, chunk_size, slopes)  # fmt: skip
         out = _reference_backend().forward_dense(*leaves[:3], layer, batch_size)
         grads = torch.autograd.grad(out, leaves, grad_out)
-    return (*grads[:3], None, None, None, None, None, None, grads[3] if ctx.has_sinks else None, None)
+    return (*grads[:3], None, None, None, None, None, None, grads[3] if ctx.has_sinks else None, None, None)
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)

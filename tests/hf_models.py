@@ -76,6 +76,11 @@ ARCHS: dict[str, tuple[str, dict, tuple[str, ...]]] = {
         dict(num_kv_heads=2, new_decoder_architecture=True, alibi=False, bos_token_id=1, eos_token_id=2),
         BOTH,
     ),
+    "falcon_alibi": (  # ALiBi: the bias in SDPA's mask; eager adds it before and after the scale
+        "FalconConfig",
+        dict(num_kv_heads=2, new_decoder_architecture=True, alibi=True, bos_token_id=1, eos_token_id=2),
+        BOTH,
+    ),
     "falcon_multi_query": (  # 7B layout: one KV head broadcast over the query heads, whatever num_kv_heads says
         "FalconConfig",
         dict(multi_query=True, new_decoder_architecture=False, alibi=False, bos_token_id=1, eos_token_id=2),

@@ -54,6 +54,9 @@ class AttentionLayer:
     ``chunk_size``: chunked local attention (Llama 4), causal only: the sequence is cut into
     chunks of ``chunk_size`` positions from position 0, and a query at ``i`` sees keys ``j``
     with ``i - i % chunk_size <= j <= i`` (``0``: no chunks).
+    ``alibi_slopes``: ALiBi, ``[Hq]`` slopes: ``slope[h] * (j - i)`` is added to head ``h``'s
+    scaled score of the query at position ``i`` and the key at position ``j`` (after the
+    softcap, before the mask); None: no bias.
     """
 
     layer_id: int
@@ -67,6 +70,7 @@ class AttentionLayer:
     logit_cap: float = 0.0
     sinks: "torch.Tensor | None" = field(default=None, compare=False, hash=False, repr=False)
     chunk_size: int = 0
+    alibi_slopes: tuple[float, ...] | None = None
 
     @property
     def gqa_group(self) -> int:
@@ -95,6 +99,8 @@ class ModelAttentionSpec:
     uses_sinks: bool = False
     #: Some layer attends within fixed chunks of positions (Llama 4's local layers).
     uses_chunks: bool = False
+    #: Some layer adds an ALiBi bias (Falcon, Bloom, MPT).
+    uses_alibi: bool = False
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,8 @@ class BackendCapabilities:
     sinks: bool = True
     #: Serves chunked local attention (`AttentionLayer.chunk_size`) in every mode.
     chunked: bool = True
+    #: Serves ALiBi biases (`AttentionLayer.alibi_slopes`) in every mode.
+    alibi: bool = True
     #: Appended to a "runs on ..., not <device>" refusal: how to get the missing device support.
     device_hint: str = ""
     graph_support: dict[str, GraphSupport] = field(
@@ -146,6 +154,8 @@ class BackendCapabilities:
             return "does not support attention sinks (per-head logits joined to the softmax)"
         if spec.uses_chunks and not self.chunked:
             return "does not support chunked local attention (keys within the query's chunk of positions)"
+        if spec.uses_alibi and not self.alibi:
+            return "does not support ALiBi position biases"
         return None
 
 

@@ -210,6 +210,7 @@ class FlashInferBackend(AttentionBackend):
         # Its paged decode kernels take one head dim for K and V ("auto" then picks Triton).
         distinct_v_head_dim=False,
         sinks=False,  # no sink-logit input to its paged decode and prefill wrappers as used here
+        alibi=False,  # its ALiBi mode uses its own slopes (no argument takes the model's) and fa2 kernels only
         chunked=False,  # its masks are causal / window only (chunks would need a virtual batch per chunk)
         graph_support={"decode": GraphSupport.FULL, "extend": GraphSupport.PIECEWISE},
     )

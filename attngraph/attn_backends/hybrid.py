@@ -53,6 +53,7 @@ def combine_capabilities(prefill: BackendCapabilities, decode: BackendCapabiliti
         distinct_v_head_dim=prefill.distinct_v_head_dim and decode.distinct_v_head_dim,
         sinks=prefill.sinks and decode.sinks,
         chunked=prefill.chunked and decode.chunked,
+        alibi=prefill.alibi and decode.alibi,
         dense=prefill.dense,
         graph_support={
             "decode": decode.graph_support["decode"],

@@ -31,26 +31,43 @@ def allowed_keys(q_pos: torch.Tensor, num_keys: int, layer: AttentionLayer) -> t
     return ok
 
 
+def alibi_bias(q_pos: torch.Tensor, num_keys: int, layer: AttentionLayer) -> torch.Tensor | None:
+    """fp32 ``[..., Hq, Sq, Sk]`` ALiBi bias ``slope[h] * (j - q_pos)`` for ``q_pos: [..., Sq]``
+    and keys at positions ``0..num_keys-1``; None when the layer has none."""
+    if layer.alibi_slopes is None:
+        return None
+    slopes = torch.tensor(layer.alibi_slopes, dtype=torch.float32, device=q_pos.device)
+    rel = torch.arange(num_keys, device=q_pos.device) - q_pos[..., None]  # [..., Sq, Sk]
+    return slopes.view(-1, 1, 1) * rel[..., None, :, :].float()
+
+
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
     """Attention of queries at positions ``q_pos`` over keys at positions ``0..Sk-1``.
 
     ``q: [..., Hq, Sq, D]``, ``k: [..., Hkv, Sk, D]``, ``v: [..., Hkv, Sk, Dv]``,
     ``q_pos: [Sq]`` -> ``[..., Hq, Sq, Dv]`` in q's dtype.
     """
-    return masked_attention(q, k, v, allowed_keys(q_pos, k.shape[-2], layer), layer)
+    mask = allowed_keys(q_pos, k.shape[-2], layer)
+    return masked_attention(q, k, v, mask, layer, alibi_bias(q_pos, k.shape[-2], layer))
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
-    """``softmax(cap(scale * q k^T) | mask [, sinks]) v`` with a bool ``mask`` broadcastable to
-    ``[..., Hq, Sq, Sk]``. Sinks (``layer.sinks: [Hq]``) are one more softmax column per head
-    whose probability is dropped: they take weight from the keys and give no value."""
-    if layer.logit_cap > 0 or layer.sinks is not None:
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, layer: AttentionLayer,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """``softmax(cap(scale * q k^T) + bias | mask [, sinks]) v`` with a bool ``mask`` and a float
+    ``bias`` (ALiBi, `alibi_bias`) broadcastable to ``[..., Hq, Sq, Sk]``. Sinks
+    (``layer.sinks: [Hq]``) are one more softmax column per head whose probability is dropped:
+    they take weight from the keys and give no value."""
+    if layer.logit_cap > 0 or layer.sinks is not None or bias is not None:
         group = q.shape[-3] // k.shape[-3]
         kr = k.repeat_interleave(group, dim=-3).float()
         vr = v.repeat_interleave(group, dim=-3).float()
         s = torch.matmul(q.float(), kr.transpose(-1, -2)) * layer.scale
         if layer.logit_cap > 0:
             s = layer.logit_cap * torch.tanh(s / layer.logit_cap)
+        if bias is not None:
+            s = s + bias
         s = s.masked_fill(~mask, float("-inf"))
         if layer.sinks is None:
             return torch.matmul(torch.softmax(s, dim=-1), vr).to(q.dtype)
@@ -128,7 +145,8 @@ class TorchNativeBackend(AttentionBackend):
         kr = torch.where(inside, gather(pool.k_buffers[layer.layer_id]).to(q.dtype), 0)
         vr = torch.where(inside, gather(pool.v_buffers[layer.layer_id]).to(q.dtype), 0)
         mask = allowed_keys(q_pos, max_len, layer) & (j[None, :] <= q_pos[:, None])  # [B, L]
-        out = masked_attention(q[:, :, None, :], kr, vr, mask[:, None, None, :], layer)  # [B, Hq, 1, Dv]
+        bias = alibi_bias(q_pos[:, None], max_len, layer)  # [B, Hq, 1, L] or None
+        out = masked_attention(q[:, :, None, :], kr, vr, mask[:, None, None, :], layer, bias)  # [B, Hq, 1, Dv]
         return out[:, :, 0]
 
     def forward_extend(self, q, k, v, layer, batch, save_kv_cache=True):

@@ -35,7 +35,15 @@ import torch
 
 from ..errors import BackendUnavailableError
 from .base import AttentionBackend, AttentionLayer, BackendCapabilities, GraphSupport, ModelAttentionSpec
-from .triton_ops import DEFAULT_MIN_SPLIT_LEN, decode_attention_fwd, dense_attention_fwd, extend_attention_fwd, interpreter_problem, interpreting
+from .triton_ops import (
+    DEFAULT_MIN_SPLIT_LEN,
+    decode_attention_fwd,
+    dense_attention_fwd,
+    extend_attention_fwd,
+    interpreter_problem,
+    interpreting,
+    slopes_tensor,
+)
 
 if TYPE_CHECKING:
     from ..forward_batch import ForwardBatch
@@ -61,6 +69,11 @@ INTERPRETER_HINT = (
 _INTERPRETER_PROBLEM = interpreter_problem() if interpreting() else None
 if _INTERPRETER_PROBLEM is not None:
     INTERPRETER_HINT = f"TRITON_INTERPRET=1 is set, but {_INTERPRETER_PROBLEM}; or use attention_backend='torch_native'"
+
+
+def _slopes(layer: AttentionLayer, like: torch.Tensor) -> torch.Tensor | None:
+    """The layer's ALiBi slopes as the kernels' fp32 ``[Hq]`` tensor (made once per device)."""
+    return None if layer.alibi_slopes is None else slopes_tensor(layer.alibi_slopes, like.device)
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -160,6 +173,14 @@ class TritonBackend(AttentionBackend):
     def prepare_forward_metadata_for_breakable_cuda_graph_replay(self, capture_metadata, batch: "ForwardBatch") -> None:
         self.init_forward_metadata(batch)
 
+    def set_layer_kinds(self, layers) -> None:
+        """Make the ALiBi slopes' device tensors now, before any CUDA graph is captured."""
+        if self.spec is not None and self.spec.device_type == "cuda" and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+            for layer in layers:
+                if layer.alibi_slopes is not None:
+                    slopes_tensor(layer.alibi_slopes, device)
+
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Allocate decode's split buffers once for every batch size up to ``max_bs``.
 
@@ -221,7 +242,7 @@ class TritonBackend(AttentionBackend):
             _last_dim_contiguous(q), kb, vb, out, pool.req_to_page, batch.req_pool_indices, batch.seq_lens,
             part_o, part_lse, page_size=pool.page_size, scale=layer.scale, max_splits=splits,
             min_split_len=self.min_split_len, logit_cap=layer.logit_cap, window_left=layer.window_left,
-            sinks=layer.sinks, chunk_size=layer.chunk_size,
+            sinks=layer.sinks, chunk_size=layer.chunk_size, alibi_slopes=_slopes(layer, q),
         )  # fmt: skip
 
     def forward_extend(self, q, k, v, layer: AttentionLayer, batch: "ForwardBatch", save_kv_cache: bool = True) -> torch.Tensor:
@@ -243,7 +264,7 @@ class TritonBackend(AttentionBackend):
             _last_dim_contiguous(q), kb, vb, out, pool.req_to_page, batch.req_pool_indices, batch.seq_lens,
             batch.qo_indptr, max_ext, page_size=pool.page_size, scale=layer.scale, causal=layer.causal,
             window_left=layer.window_left, logit_cap=layer.logit_cap, static_num_tokens=batch.static_max_extend_len,
-            sinks=layer.sinks, chunk_size=layer.chunk_size,
+            sinks=layer.sinks, chunk_size=layer.chunk_size, alibi_slopes=_slopes(layer, q),
         )  # fmt: skip
 
     def forward_dense(self, q, k, v, layer: AttentionLayer, batch_size: int) -> torch.Tensor:
@@ -254,5 +275,5 @@ class TritonBackend(AttentionBackend):
         return dense_attention_fwd(
             _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), out, int(batch_size),
             scale=layer.scale, causal=layer.causal, window_left=layer.window_left, logit_cap=layer.logit_cap,
-            sinks=layer.sinks, chunk_size=layer.chunk_size,
+            sinks=layer.sinks, chunk_size=layer.chunk_size, alibi_slopes=_slopes(layer, q),
         )  # fmt: skip

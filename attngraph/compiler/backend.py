@@ -141,6 +141,7 @@ class AttnGraphBackend:
             uses_logit_cap=any(not isinstance(s.logit_cap, float) or s.logit_cap > 0 for s in lowered),
             uses_sinks=any(s.sinks is not None for s in lowered),
             uses_chunks=any(s.chunk_size > 0 for s in lowered),
+            uses_alibi=any(s.alibi_slopes is not None for s in lowered),
             non_causal=any(not s.causal for s in lowered),
         )
         backend = create_backend(self.config.attention_backend, spec)

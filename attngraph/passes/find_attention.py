@@ -44,11 +44,13 @@ from torch import fx
 
 from . import fx_utils as fu
 from .mask_analysis import (
+    MaskIsBias,
     NotProvable,
     analyze_mask,
     constant_value,
     is_scalar_item,
 )
+from .position_bias import analyze_bias, analyze_biased_mask
 from .repeat_kv import peel_repeat_kv
 from .site import AttentionSite, ScaleExpr
 
@@ -249,6 +251,9 @@ def _match_eager(gm: fx.GraphModule, softmax: fx.Node) -> AttentionSite | None:
         scores, f = factor
         scale = scale.times(f)
     scores = _skip_casts(scores)
+    peeled_bias = _peel_prescale_bias(gm, scores, scale)
+    if peeled_bias is not None:  # ``(q @ k^T + alibi) * scale`` (Falcon's and Bloom's eager paths)
+        scores, scale, site.extra["prescale_bias"] = peeled_bias
     if not (fu.is_op(scores, fu.MATMUL) and len(scores.args) == 2):
         if not _attention_shaped(x, out):
             return None
@@ -291,6 +296,35 @@ def _match_eager(gm: fx.GraphModule, softmax: fx.Node) -> AttentionSite | None:
             if training and not (isinstance(p_drop, (int, float)) and p_drop == 0):
                 return site.refuse(f"dropout p={_show(p_drop)} in training mode")
     return site
+
+
+def _peel_prescale_bias(gm: fx.GraphModule, scores: Any, scale: ScaleExpr) -> tuple[Any, ScaleExpr, tuple] | None:
+    """``scores = s + bias`` with ``s`` from q @ k^T and ``bias`` not: ``(s below its casts
+    and scale factors, the whole scale, (bias, the scale applied to the bias))``; None otherwise.
+    The bias's slopes are proven later (`position_bias.analyze_bias`)."""
+    if not (fu.is_op(scores, fu.ADD) and len(scores.args) == 2 and not scores.kwargs) or fu.is_inplace(scores):
+        return None
+    a, b = scores.args
+    for s_node, bias in ((a, b), (b, a)):
+        if (
+            isinstance(bias, fx.Node)
+            and _reaches_qk_matmul(s_node)
+            and not _reaches_qk_matmul(bias)
+            and _same_shape(fu.shape_of(scores), fu.shape_of(s_node))  # the bias broadcasts, the scores do not
+        ):
+            outer = scale
+            s_node = _skip_casts(s_node)
+            while (factor := _scale_factor(gm, s_node, allow_inplace=True)) is not None:
+                s_node, f = factor
+                scale = scale.times(f)
+            s_node = _skip_casts(s_node)
+            # Falcon: ``(q @ k^T).view(b, h, q_len, kv_len)``, a view to the same shape
+            while fu.is_op(s_node, fu.RESHAPE) and isinstance(s_node.args[0], fx.Node) and _same_shape(
+                fu.shape_of(s_node), fu.shape_of(s_node.args[0])
+            ):
+                s_node = _skip_casts(s_node.args[0])
+            return s_node, scale, (bias, outer)
+    return None
 
 
 # --------------------------------------------------------------------------- attention sinks
@@ -702,10 +736,16 @@ def _check_shapes_and_mask(gm: fx.GraphModule, site: AttentionSite, trusted: set
         if site.extra.get("is_causal"):
             site.refuse("both a mask and is_causal")
             return
-        key = (site.mask, str(qs[2]), str(ks[2]))
+        key = (site.mask, str(qs[2]), str(ks[2]), hq)
         if key not in mask_cache:
             try:
-                mask_cache[key] = analyze_mask(gm, site.mask, site.q, site.k, trusted)
+                try:
+                    mask_cache[key] = analyze_mask(gm, site.mask, site.q, site.k, trusted)
+                except MaskIsBias as exc:
+                    try:  # a mask that also adds an ALiBi bias (Falcon's SDPA path)
+                        mask_cache[key] = analyze_biased_mask(gm, site.mask, site.q, site.k, hq, trusted)
+                    except NotProvable as why:
+                        raise NotProvable(f"{exc}; as a position bias: {why}") from None
             except NotProvable as exc:
                 mask_cache[key] = str(exc)
             except Exception as exc:  # an evaluation failure is a refusal, never a wrong lowering
@@ -714,9 +754,27 @@ def _check_shapes_and_mask(gm: fx.GraphModule, site: AttentionSite, trusted: set
         if isinstance(pattern, str):
             site.refuse(pattern)
             return
+        if isinstance(pattern, tuple):
+            pattern, slopes = pattern
+            site.alibi_slopes = _add_slopes(site.alibi_slopes, slopes)
         site.causal, site.window_left, site.chunk_size = pattern.causal, pattern.window_left, pattern.chunk_size
+    if "prescale_bias" in site.extra:
+        bias, outer = site.extra["prescale_bias"]
+        if outer.runtime:
+            site.refuse("a position bias added before a runtime scale")
+            return
+        try:
+            slopes = analyze_bias(gm, bias, hq, trusted)
+        except NotProvable as exc:
+            site.refuse(f"a term is added to q @ k^T before the softmax that is not a proven ALiBi bias ({bias.name}: {exc})")
+            return
+        site.alibi_slopes = _add_slopes(site.alibi_slopes, tuple(x * outer.constant for x in slopes))
     site.lowerable = True
     site.reason = "lowered: " + site.describe()
+
+
+def _add_slopes(a: tuple[float, ...] | None, b: tuple[float, ...]) -> tuple[float, ...]:
+    return b if a is None else tuple(x + y for x, y in zip(a, b))
 
 
 def _assign_layer_ids(sites: list[AttentionSite]) -> None:

@@ -49,10 +49,13 @@ def lower_attention(gm: fx.GraphModule, sites: list[AttentionSite]) -> int:
             scale = _scale_arg(graph, site)
             args = (q_t, k_t, v_t, site.layer_id, scale, site.causal, site.window_left, site.logit_cap, bsz)
             sinks = graph.call_method("reshape", (site.sinks, -1)) if site.sinks is not None else None  # [Hq]
-            if sinks is not None or site.chunk_size > 0:
+            # optional trailing arguments, each given when it or a later one is set
+            if sinks is not None or site.chunk_size > 0 or site.alibi_slopes is not None:
                 args += (sinks,)
-            if site.chunk_size > 0:
+            if site.chunk_size > 0 or site.alibi_slopes is not None:
                 args += (site.chunk_size,)
+            if site.alibi_slopes is not None:
+                args += (list(site.alibi_slopes),)
             out = graph.call_function(ATTENTION_OP, args)
             out = graph.call_method("view", (out, bsz, q_len, site.num_q_heads, site.v_head_dim))
             out = graph.call_method("transpose", (out, 1, 2))  # [B, Hq, Sq, Dv]

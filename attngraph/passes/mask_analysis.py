@@ -38,6 +38,10 @@ logger = logging.getLogger(__name__)
 MAX_PROBE_LEN = 8192
 
 
+class MaskIsBias(NotProvable):
+    """The float mask adds values other than 0 and blocked ones: a bias (`position_bias`)."""
+
+
 @dataclass(frozen=True)
 class MaskPattern:
     causal: bool
@@ -235,7 +239,7 @@ def classify(mask: torch.Tensor, q_len: int, k_len: int) -> MaskPattern:
         allowed = mask == 0
         blocked = mask[~allowed]
         if blocked.numel() and not bool((blocked <= -1e4).all()):
-            raise NotProvable("the mask adds values other than 0 and -inf (a bias, not a mask)")
+            raise MaskIsBias("the mask adds values other than 0 and -inf (a bias, not a mask)")
     else:
         raise NotProvable(f"mask of dtype {mask.dtype}")
     if allowed.dim() < 2 or allowed.shape[-1] not in (1, k_len) or allowed.shape[-2] not in (1, q_len):
@@ -291,6 +295,8 @@ def prove_mask(mask: fx.Node, q_len: Any, k_len: Any, positions: set[fx.Node] = 
     proven for every value of the size symbols; `NotProvable` with the reason otherwise."""
     try:
         allowed, shape = mask_formula(mask, positions)
+    except MaskIsBias:
+        raise
     except NotProvable as exc:
         raise NotProvable(f"the mask cannot be proven causal, sliding-window or full for every length: {exc}") from None
     sq, sk = size_expr(q_len), size_expr(k_len)
@@ -362,7 +368,7 @@ def mask_formula(mask: fx.Node, positions: set[fx.Node] = frozenset()) -> tuple[
     for leaf in symbolic_mask._leaves(value.expr):
         if leaf == 0 or leaf == -sympy.oo or (leaf.is_number and leaf.is_real and leaf <= -1e4):
             continue
-        raise NotProvable("the mask adds values other than 0 and -inf (a bias, not a mask)")
+        raise MaskIsBias("the mask adds values other than 0 and -inf (a bias, not a mask)")
     return symbolic_mask._rel(sympy.Eq, value.expr, sympy.Integer(0)), value.shape
 
 

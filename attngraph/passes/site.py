@@ -46,6 +46,9 @@ class AttentionSite:
     window_left: int = -1
     #: Chunked local attention: keys within the query's chunk of this many positions (0: none).
     chunk_size: int = 0
+    #: ALiBi: ``[Hq]`` per-head slopes of a bias ``slope * (key position - query position)``
+    #: added to the scaled scores, proven from the graph (`position_bias`); None: no bias.
+    alibi_slopes: tuple[float, ...] | None = None
     num_q_heads: int = 0
     num_kv_heads: int = 0
     head_dim: int = 0
@@ -66,6 +69,7 @@ class AttentionSite:
         return AttentionLayer(
             self.layer_id, self.num_q_heads, self.num_kv_heads, self.head_dim, self.v_head_dim,
             float(self.scale.constant), self.causal, self.window_left, float(self.logit_cap), chunk_size=self.chunk_size,
+            alibi_slopes=self.alibi_slopes,
         )
 
     def refuse(self, reason: str) -> "AttentionSite":
@@ -85,6 +89,8 @@ class AttentionSite:
             parts.append(f"softcap={cap}")
         if self.sinks is not None:
             parts.append("sinks")
+        if self.alibi_slopes is not None:
+            parts.append("alibi")
         if self.num_kv_heads and self.num_q_heads != self.num_kv_heads:
             parts.append(f"gqa={self.num_q_heads}/{self.num_kv_heads}")
         if self.scale is not None:

@@ -15,6 +15,12 @@ every length (`linear_proof`). Anything this module cannot model exactly (an op 
 know, float arithmetic on positions, data it cannot see) raises `NotProvable` with the reason;
 it never approximates.
 
+With ``reals=True`` (`ElementInterpreter`) float arithmetic on positions is modelled in exact
+real arithmetic, as kind ``"real"``: what an additive position bias (ALiBi) computes, up to
+the rounding of its own float operations. A ``"real"`` value may be computed with, selected
+by ``where`` and returned, never compared or used as a condition: a mask's Boolean part is
+exact in both modes.
+
 Positions given as a trusted input (``position_ids`` in the ragged form) stand for
 consecutive positions ``0, 1, ..., N - 1`` along their last dimension, the layout the runtime
 describes to the attention op per request.
@@ -56,8 +62,8 @@ _FLOAT_BITS = {torch.float64: 53, torch.float32: 24, torch.float16: 11, torch.bf
 class Sym:
     """One tensor (or scalar) of the mask's computation: ``expr`` of its element at ``I[:ndim]``."""
 
-    expr: Any  # sympy Expr (int / float) or Boolean
-    kind: str  # "bool" | "int" | "float"
+    expr: Any  # sympy Expr (int / float / real) or Boolean
+    kind: str  # "bool" | "int" | "float" | "real" (exact value of a float op, rounding ignored)
     shape: tuple  # sympy sizes
     dtype: torch.dtype | None = None
 
@@ -137,6 +143,8 @@ def _constant_leaves(expr) -> bool:
 def as_bool(s: Sym) -> Any:
     if s.kind == "bool":
         return s.expr
+    if s.kind == "real":
+        raise NotProvable("a float computed from positions is used as a condition")
     if s.kind == "float" and not _constant_leaves(s.expr):
         raise NotProvable("a float computed from positions is used as a condition")
     return _rel(sympy.Ne, s.expr, sympy.Integer(0))
@@ -186,8 +194,9 @@ def _clamp(expr, dtype: torch.dtype):
 class ElementInterpreter:
     """Symbolic evaluation of a mask subgraph (see the module docstring)."""
 
-    def __init__(self, positions: set[fx.Node] = frozenset()):
+    def __init__(self, positions: set[fx.Node] = frozenset(), reals: bool = False):
         self.positions = set(positions)
+        self.reals = reals  # model float arithmetic on positions exactly (kind "real")
         self.env: dict[fx.Node, Any] = {}
 
     # ---- values
@@ -338,8 +347,14 @@ def _kind(dtype: torch.dtype | None) -> str:
     return "float" if dtype.is_floating_point else "int"
 
 
-def _cast(x: Sym, dtype: torch.dtype) -> Sym:
+def _cast(x: Sym, dtype: torch.dtype, reals: bool = False) -> Sym:
     kind = _kind(dtype)
+    if x.kind == "real":
+        if kind != "float":
+            raise NotProvable(f"a float computed from positions is converted to {dtype}")
+        return Sym(x.expr, "real", x.shape, dtype)
+    if reals and kind == "float" and not _constant_leaves(as_number(x)):
+        return Sym(as_number(x), "real", x.shape, dtype)  # exact: rounding is not modelled
     if kind == x.kind:
         if kind == "float" and _is_rounded(x.expr) and _FLOAT_BITS.get(dtype, 0) < _FLOAT_BITS.get(x.dtype, 0):
             raise NotProvable(f"a position converted to {x.dtype} and then to {dtype}")
@@ -401,6 +416,10 @@ def _arith(op: str):
             kind = "float"
         if kind == "bool":
             raise NotProvable(f"{n.name}: {op} of Booleans")
+        if interp.reals and kind == "float" and (
+            any(x.kind == "real" for x in xs) or not all(_constant_leaves(as_number(x)) for x in xs)
+        ):
+            return _real_arith(interp, n, op, xs, kwargs.get("alpha"))
         if any(x.kind == "float" and _is_rounded(x.expr) for x in xs):
             raise NotProvable(f"{n.name}: arithmetic on a position converted to float (rounding)")
         if kind == "float" and not all(_constant_leaves(as_number(x)) for x in xs):
@@ -438,10 +457,64 @@ def _arith(op: str):
     return handler
 
 
+def _real_arith(interp, n, op: str, xs: list, alpha) -> Sym:
+    """Float arithmetic in exact reals (``reals`` mode): the value the op would compute
+    without rounding."""
+    vals, _ = _operands(interp, n, *xs)
+    vals = [as_number(Sym(v, x.kind, ())) for v, x in zip(vals, xs)]
+    if alpha is not None:
+        vals[1] = vals[1] * alpha.expr
+    ops = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "rsub": lambda a, b: b - a,
+           "mul": lambda a, b: a * b, "truediv": lambda a, b: a / b, "neg": lambda a: -a}  # fmt: skip
+    if op not in ops:
+        raise NotProvable(f"{n.name}: {op} of a float computed from positions")
+    e = ops[op](*vals)
+    return _out(interp, n, sympy.piecewise_fold(e) if e.has(sympy.Piecewise) else e, "real")
+
+
+def _pow(interp, n, a, b, **kwargs):
+    """``a ** b`` elementwise, in exact reals (``reals`` mode only: ALiBi's slopes are
+    ``base ** arange(1, H + 1)``)."""
+    if not interp.reals or not isinstance(a, Sym) or not isinstance(b, Sym) or kwargs:
+        raise NotProvable(f"{n.name}: pow outside a position bias")
+    if a.kind == "bool" or b.kind == "bool":
+        raise NotProvable(f"{n.name}: pow of Booleans")
+    (x, y), _ = _operands(interp, n, a, b)
+    return _out(interp, n, sympy.Pow(as_number(Sym(x, a.kind, ())), as_number(Sym(y, b.kind, ()))), "real")
+
+
+def _cat(interp, n, tensors, dim=None, **kwargs):
+    """``cat(tensors, dim)``: piece ``t`` holds the indices from its offset on."""
+    dim = kwargs.get("dim", dim)
+    if not isinstance(tensors, (list, tuple)) or not all(isinstance(t, Sym) for t in tensors):
+        raise NotProvable(f"{n.name}: cat of non-tensors")
+    shape = interp.shape(n)
+    d = int(dim.expr) % len(shape) if dim is not None else 0
+    t_sym = I[d]
+    kinds = {t.kind for t in tensors}
+    if "bool" in kinds and kinds != {"bool"}:
+        raise NotProvable(f"{n.name}: cat of Booleans with numbers")
+    kind = "real" if "real" in kinds else _kind(interp.dtype(n))
+    pieces, offset = [], sympy.Integer(0)
+    for t in tensors:
+        if t.ndim != len(shape):
+            raise NotProvable(f"{n.name}: cat of tensors of different ranks")
+        e = t.expr.xreplace({t_sym: t_sym - offset})
+        e = e if kind == "bool" else as_number(Sym(e, t.kind, ()))
+        offset = offset + t.shape[d]
+        pieces.append((e, t_sym < offset))
+    if kind == "bool":
+        return _out(interp, n, sympy.Or(*[sympy.And(e, c) for e, c in pieces]), "bool")
+    pieces[-1] = (pieces[-1][0], True)
+    return _out(interp, n, sympy.piecewise_fold(sympy.Piecewise(*pieces)), kind)
+
+
 def _compare(fn):
     def handler(interp, n, a, b, **kwargs):
         if not isinstance(a, Sym) or not isinstance(b, Sym) or kwargs:
             raise NotProvable(f"{n.name}: comparison of non-tensors")
+        if a.kind == "real" or b.kind == "real":
+            raise NotProvable(f"{n.name}: a comparison of a float computed from positions")
         (x, y), _ = _operands(interp, n, a, b)
         x, y = as_number(Sym(x, a.kind, ())), as_number(Sym(y, b.kind, ()))
         x, y = _unround(n, x, y)
@@ -484,7 +557,8 @@ def _arange(interp, n, *args, **kwargs):
     for k in ("start", "end", "step"):
         if k in kwargs and isinstance(kwargs[k], Sym):
             ends.append(kwargs[k].expr)
-    if interp.dtype(n).is_floating_point:
+    real = interp.dtype(n).is_floating_point
+    if real and not interp.reals:
         raise NotProvable(f"{n.name}: a float arange")
     if len(ends) == 1:
         start, step = sympy.Integer(0), sympy.Integer(1)
@@ -494,7 +568,7 @@ def _arange(interp, n, *args, **kwargs):
         start, step = ends[0], ends[2]
     else:
         raise NotProvable(f"{n.name}: arange arguments")
-    return _out(interp, n, start + step * I[0], "int")
+    return _out(interp, n, start + step * I[0], "real" if real else "int")
 
 
 def _fill(value_index: int | None, value=None):
@@ -524,7 +598,7 @@ def _identity(interp, n, x, *args, **kwargs):
         raise NotProvable(f"{n.name}: not a tensor")
     shape, dtype = interp.shape(n), interp.dtype(n)
     if dtype != x.dtype and x.dtype is not None:
-        x = _cast(x, dtype)
+        x = _cast(x, dtype, interp.reals)
     if tuple(shape) != tuple(x.shape):
         raise NotProvable(f"{n.name}: changes the shape")
     return Sym(x.expr, x.kind, shape, dtype)
@@ -540,15 +614,47 @@ def _expand(interp, n, x, *args, **kwargs):
 
 
 def _reshape(interp, n, x, *args, **kwargs):
-    """A view or reshape that only inserts or removes dimensions of size one."""
+    """A view or reshape: one that inserts or removes dimensions of size one, or one that
+    regroups leading dimensions of constant sizes (``[B, H, S] -> [B * H, 1, S]``)."""
     shape = interp.shape(n)
     src = [(k, s) for k, s in enumerate(x.shape) if s != 1]
     dst = [(k, s) for k, s in enumerate(shape) if s != 1]
     if len(src) != len(dst) or any(sympy.simplify(a - b) != 0 for (_, a), (_, b) in zip(src, dst)):
-        raise NotProvable(f"{n.name}: a reshape that moves elements between dimensions")
+        return _regroup(n, x, shape)
     mapping = {I[k]: sympy.Integer(0) for k, s in enumerate(x.shape) if s == 1}
     mapping.update({I[ks]: I[kd] for (ks, _), (kd, _) in zip(src, dst)})
     return Sym(_rename(x.expr, mapping), x.kind, shape, x.dtype)
+
+
+def _regroup(n, x: Sym, shape: tuple) -> Sym:
+    """A reshape whose trailing dimensions agree and whose leading ones have constant sizes:
+    element ``(o_0, .., o_k, rest)`` is the source element at the same row-major offset."""
+    src, dst = list(x.shape), list(shape)
+    tail = 0
+    while tail < min(len(src), len(dst)) and sympy.simplify(src[-1 - tail] - dst[-1 - tail]) == 0:
+        tail += 1
+    head_src, head_dst = src[: len(src) - tail], dst[: len(dst) - tail]
+    # the first dimension of each side may be symbolic (a batch), the others give the strides
+    if (
+        not head_src or not head_dst
+        or not all(getattr(v, "is_Integer", False) for v in head_src[1:] + head_dst[1:])
+        or sympy.simplify(sympy.Mul(*head_src) - sympy.Mul(*head_dst)) != 0
+    ):  # fmt: skip
+        raise NotProvable(f"{n.name}: a reshape that moves elements between dimensions of symbolic sizes")
+    offset = sympy.Integer(0)
+    for k, size in enumerate(head_dst):
+        offset = offset * size + I[k]
+    mapping, stride = {}, 1
+    for k in range(len(head_src) - 1, -1, -1):
+        mapping[I[k]] = sympy.Mod(sympy.floor(offset / stride), head_src[k]) if k else sympy.floor(offset / stride)
+        stride *= int(head_src[k]) if k else 1
+    tail_map = {I[len(head_src) + t]: I[len(head_dst) + t] for t in range(tail)}
+    # rename in two steps so that source and destination symbols never collide
+    tmp = {I[k]: sympy.Symbol(f"_tmp{k}", integer=True, nonnegative=True) for k in range(len(src))}
+    e = x.expr.xreplace(tmp)
+    final = {tmp[k]: v for k, v in mapping.items()}
+    final.update({tmp[s_]: d for s_, d in tail_map.items()})
+    return Sym(e.xreplace(final), x.kind, tuple(shape), x.dtype)
 
 
 def _transpose(interp, n, x, d0, d1):
@@ -578,7 +684,9 @@ def _where(interp, n, cond, a, b):
         e = sympy.Or(sympy.And(c, as_bool(Sym(va, a.kind, ()))), sympy.And(sympy.Not(c), as_bool(Sym(vb, b.kind, ()))))
     else:
         va, vb = as_number(Sym(va, a.kind, ())), as_number(Sym(vb, b.kind, ()))
-        if kind == "float" and not (_constant_leaves(va) and _constant_leaves(vb)):
+        if kind == "float" and interp.reals and not (_constant_leaves(va) and _constant_leaves(vb)):
+            kind = "real"  # a position bias under a mask: the condition stays exact
+        elif kind == "float" and not (_constant_leaves(va) and _constant_leaves(vb)):
             raise NotProvable(f"{n.name}: where with float positions")
         e = sympy.piecewise_fold(sympy.Piecewise((va, c), (vb, True)))
     return _out(interp, n, e, kind)
@@ -631,6 +739,8 @@ def _cumsum(interp, n, x, dim=None, **kwargs):
     dim = kwargs.get("dim", dim)
     d = int(dim.expr) % x.ndim
     t = I[d]
+    if x.kind == "real":
+        raise NotProvable(f"{n.name}: cumsum of a float computed from positions")
     e = as_number(x)
     if t not in e.free_symbols:
         s = (t + 1) * e
@@ -787,3 +897,5 @@ _register([torch.reshape, "reshape", "view", "squeeze", torch.squeeze, "unsqueez
 _register([torch.transpose, "transpose", "swapaxes", torch.swapaxes], _transpose)
 _register([torch.permute, "permute"], _permute_h)
 _register([torch.tensor, torch.scalar_tensor, torch.as_tensor], _scalar_tensor)
+_register([torch.pow, "pow", "__pow__"], _pow)
+_register([torch.cat, torch.concat, torch.concatenate], _cat)

@@ -220,6 +220,7 @@ class ModelRunner:
             uses_logit_cap=any(isinstance(s.logit_cap, torch.fx.Node) or s.logit_cap > 0 for s in sites),
             uses_sinks=any(s.sinks is not None for s in sites),
             uses_chunks=any(s.chunk_size > 0 for s in sites),
+            uses_alibi=any(s.alibi_slopes is not None for s in sites),
             non_causal=any(not s.causal for s in sites),
             v_head_dim=g.v_head_dim if g.v_head_dim != g.head_dim else None,
         )

@@ -8,7 +8,7 @@ Launch functions (tensor shapes in their docstrings):
 * `store_kv`: a step's new K and V into a layer's pool slots, one launch.
 """
 
-from .decode_attention import DEFAULT_MIN_SPLIT_LEN, decode_attention_fwd, interpreter_problem, interpreting
+from .decode_attention import DEFAULT_MIN_SPLIT_LEN, decode_attention_fwd, interpreter_problem, interpreting, slopes_tensor
 from .extend_attention import dense_attention_fwd, extend_attention_fwd
 from .kv_store import store_kv
 
@@ -19,5 +19,6 @@ __all__ = [
     "extend_attention_fwd",
     "interpreter_problem",
     "interpreting",
+    "slopes_tensor",
     "store_kv",
 ]

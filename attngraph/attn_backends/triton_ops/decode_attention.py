@@ -20,6 +20,7 @@ The helpers at the top (`interpreting`, `dot_options`, `_dot`, `_softcap`) are s
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -135,13 +136,13 @@ def _split_plan(seq_len, window, chunk, max_splits, min_split_len, SPLIT_ALIGN: 
 # ----------------------------------------------------------------------------- kernels
 @triton.jit
 def _decode_stage1_kernel(
-    Q, K, V, ReqToPage, ReqIdx, SeqLens, PartO, PartLse,
+    Q, K, V, ReqToPage, ReqIdx, SeqLens, PartO, PartLse, Slopes,
     scale, logit_cap, window, chunk, max_splits, min_split_len,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_rtp,
     stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, V_HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_CAP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_CAP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -163,6 +164,8 @@ def _decode_stage1_kernel(
     mask_dv = offs_dv < V_HEAD_DIM
     q_ptrs = Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+    if HAS_ALIBI:  # [BLOCK_H] slopes of the group's query heads
+        slope = tl.load(Slopes + heads, mask=mask_h, other=0.0).to(tl.float32)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2(s - m_i)
@@ -177,6 +180,8 @@ def _decode_stage1_kernel(
         s = _dot(q, kt.to(q.dtype), UPCAST, PRECISION) * scale  # [BLOCK_H, BLOCK_N]
         if HAS_CAP:
             s = _softcap(s, logit_cap)
+        if HAS_ALIBI:  # slope * (key position - query position); the query sits at seq_len - 1
+            s = s + slope[:, None] * (pos - (seq_len - 1)).to(tl.float32)[None, :]
         s = tl.where(mask_n[None, :], s * _LOG2E, float("-inf"))
         # Every block holds >= 1 valid key (n0 < end), so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -241,6 +246,26 @@ def check_sinks(sinks: torch.Tensor | None, num_q_heads: int, like: torch.Tensor
     return sinks.contiguous()
 
 
+@functools.lru_cache(maxsize=256)
+def slopes_tensor(slopes: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """ALiBi slopes as an fp32 ``[Hq]`` tensor on ``device``, made once per (slopes, device)
+    (so a CUDA graph never captures its creation: backends ask for it before capturing)."""
+    return torch.tensor(slopes, dtype=torch.float32, device=device)
+
+
+def check_slopes(slopes: torch.Tensor | None, num_q_heads: int, like: torch.Tensor) -> torch.Tensor:
+    """The pointer argument for ``Slopes``: ``slopes`` (fp32 ``[Hq]`` on ``like``'s device) or,
+    without ALiBi, any tensor (the kernels do not read it)."""
+    if slopes is None:
+        return like
+    if slopes.shape != (num_q_heads,) or slopes.device != like.device or slopes.dtype != torch.float32:
+        raise ValueError(
+            f"alibi_slopes must be float32 [{num_q_heads}] on {like.device}; got {slopes.dtype} "
+            f"{tuple(slopes.shape)} on {slopes.device}"
+        )
+    return slopes.contiguous()
+
+
 def decode_block_n(head_dim: int, v_head_dim: int, dtype: torch.dtype) -> int:
     """Keys per block of stage 1 (also the split alignment)."""
     if interpreting():
@@ -268,6 +293,7 @@ def decode_attention_fwd(
     window_left: int = -1,
     sinks: torch.Tensor | None = None,
     chunk_size: int = 0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of one new token per request over its paged keys ``0..seq_len-1``.
 
@@ -291,11 +317,14 @@ def decode_attention_fwd(
         joins its head's softmax denominator as a key without a value. None: no sinks.
     chunk_size: chunked local attention (Llama 4): keys ``j >= (seq_len - 1) - (seq_len - 1) %
         chunk_size`` only, when > 0.
+    alibi_slopes: fp32 ``[Hq]`` ALiBi slopes: ``slope * (j - (seq_len - 1))`` is added to the
+        scaled (and capped) score of key ``j``. None: no bias.
 
     Returns ``out``.
     """
     bsz, hq, d = q.shape
     chunk = chunk_arg(chunk_size)
+    slopes = check_slopes(alibi_slopes, hq, q)
     hkv, dv = k_buffer.shape[1], v_buffer.shape[2]
     if hq % hkv:
         raise ValueError(f"num_q_heads {hq} is not a multiple of num_kv_heads {hkv}")
@@ -316,7 +345,7 @@ def decode_attention_fwd(
     cap = float(logit_cap) if logit_cap > 0 else 1.0
     # Query heads of a group are padded to a power of two >= 16 (tl.dot's smallest M).
     _decode_stage1_kernel[(bsz, hkv, max_splits)](
-        q, k_buffer, v_buffer, req_to_page, req_pool_indices, seq_lens, partial_out, partial_lse,
+        q, k_buffer, v_buffer, req_to_page, req_pool_indices, seq_lens, partial_out, partial_lse, slopes,
         float(scale), cap, window, chunk, max_splits, min_split_len,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_page.stride(0),
@@ -325,7 +354,7 @@ def decode_attention_fwd(
         GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=d, V_HEAD_DIM=dv,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=block_dv,
-        HAS_CAP=logit_cap > 0, UPCAST=upcast, PRECISION=precision,
+        HAS_CAP=logit_cap > 0, UPCAST=upcast, PRECISION=precision, HAS_ALIBI=alibi_slopes is not None,
         num_warps=4, num_stages=2,
     )  # fmt: skip
     _decode_stage2_kernel[(bsz, hq)](

@@ -29,7 +29,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import _dot, _softcap, check_last_dim_contiguous, check_sinks, chunk_arg, dot_options, interpreting, window_arg
+from .decode_attention import (
+    _dot,
+    _softcap,
+    check_last_dim_contiguous,
+    check_sinks,
+    check_slopes,
+    chunk_arg,
+    dot_options,
+    interpreting,
+    window_arg,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -39,17 +49,19 @@ _LOG2E = tl.constexpr(1.4426950408889634)  # globals read by @jit code must be c
 @triton.jit
 def _attend(
     q, m_i, l_i, acc, K, V, ReqToPage, row, kv_base, kvh, q_pos, q_lo, start, end,
-    scale, logit_cap, window, stride_ks, stride_kh, stride_vs, stride_vh, stride_rtp,
+    scale, logit_cap, window, slope, stride_ks, stride_kh, stride_vs, stride_vh, stride_rtp,
     offs_d, mask_d, offs_dv, mask_dv,
     MASKED: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CAP: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
 ):  # fmt: skip
     """Online-softmax update of ``(m_i, l_i, acc)`` (``[BLOCK_M]``, ``[BLOCK_M]``,
     ``[BLOCK_M, BLOCK_DV]``) with the keys ``[start, end)``.
 
     ``MASKED=False`` is for key ranges every query of the block may fully see (``end - start`` a
     multiple of ``BLOCK_N``): no bounds, causal or window masks there. ``q_lo``: ``[BLOCK_M]``
-    the first key each query may see (its window's or its chunk's start).
+    the first key each query may see (its window's or its chunk's start). ``slope``: the
+    head's ALiBi slope in log2 units (read when ``HAS_ALIBI``).
     """
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
@@ -69,6 +81,8 @@ def _attend(
             s = _softcap(s * scale, logit_cap) * _LOG2E
         else:
             s = s * (scale * _LOG2E)
+        if HAS_ALIBI:  # slope * (key position - query position)
+            s = s + slope * (pos[None, :] - q_pos[:, None]).to(tl.float32)
         if MASKED:
             ok = mask_n[None, :] & (pos[None, :] >= q_lo[:, None])
             if CAUSAL:
@@ -91,13 +105,14 @@ def _attend(
 
 @triton.jit
 def _extend_kernel(
-    Q, K, V, Out, ReqToPage, ReqIdx, SeqLens, QoIndptr, Sinks,
+    Q, K, V, Out, ReqToPage, ReqIdx, SeqLens, QoIndptr, Sinks, Slopes,
     scale, logit_cap, window, chunk, dense_q_len, dense_kv_len, last_slot,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_rtp,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, V_HEAD_DIM: tl.constexpr,
     PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, PACKED_STEPS: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
 ):  # fmt: skip
     # Grid axis 0 is the query head (the heads of one KV head run side by side and share its
     # K/V in L2); axis 1 runs the query blocks last first: under a causal mask the last blocks
@@ -169,23 +184,27 @@ def _extend_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    if HAS_ALIBI:
+        slope = tl.load(Slopes + h).to(tl.float32) * _LOG2E
+    else:
+        slope = 0.0
     m_i, l_i, acc = _attend(
         q, m_i, l_i, acc, K, V, ReqToPage, row, kv_base, kvh, q_pos, q_lo, mid_lo, mid_hi,
-        scale, logit_cap, window, stride_ks, stride_kh, stride_vs, stride_vh, stride_rtp,
+        scale, logit_cap, window, slope, stride_ks, stride_kh, stride_vs, stride_vh, stride_rtp,
         offs_d, mask_d, offs_dv, mask_dv,
-        False, PAGED, CAUSAL, HAS_CAP, PAGE_SIZE, BLOCK_N, UPCAST, PRECISION,
+        False, PAGED, CAUSAL, HAS_CAP, PAGE_SIZE, BLOCK_N, UPCAST, PRECISION, HAS_ALIBI,
     )  # fmt: skip
     m_i, l_i, acc = _attend(
         q, m_i, l_i, acc, K, V, ReqToPage, row, kv_base, kvh, q_pos, q_lo, lo, mid_lo,
-        scale, logit_cap, window, stride_ks, stride_kh, stride_vs, stride_vh, stride_rtp,
+        scale, logit_cap, window, slope, stride_ks, stride_kh, stride_vs, stride_vh, stride_rtp,
         offs_d, mask_d, offs_dv, mask_dv,
-        True, PAGED, CAUSAL, HAS_CAP, PAGE_SIZE, BLOCK_N, UPCAST, PRECISION,
+        True, PAGED, CAUSAL, HAS_CAP, PAGE_SIZE, BLOCK_N, UPCAST, PRECISION, HAS_ALIBI,
     )  # fmt: skip
     m_i, l_i, acc = _attend(
         q, m_i, l_i, acc, K, V, ReqToPage, row, kv_base, kvh, q_pos, q_lo, mid_hi, hi,
-        scale, logit_cap, window, stride_ks, stride_kh, stride_vs, stride_vh, stride_rtp,
+        scale, logit_cap, window, slope, stride_ks, stride_kh, stride_vs, stride_vh, stride_rtp,
         offs_d, mask_d, offs_dv, mask_dv,
-        True, PAGED, CAUSAL, HAS_CAP, PAGE_SIZE, BLOCK_N, UPCAST, PRECISION,
+        True, PAGED, CAUSAL, HAS_CAP, PAGE_SIZE, BLOCK_N, UPCAST, PRECISION, HAS_ALIBI,
     )  # fmt: skip
 
     if HAS_SINKS:  # the head's sink logit joins the denominator only (it has no value)
@@ -258,7 +277,7 @@ def _fill_the_gpu(block_m: int, num_warps: int, num_tokens: int, num_heads: int,
 
 def _launch(q, k, v, out, req_to_page, req_pool_indices, seq_lens, qo_indptr, grid_m, bsz,
             scale, logit_cap, window_left, causal, page_size, paged, dense_q_len, dense_kv_len,
-            packed=False, sinks=None, chunk_size=0):  # fmt: skip
+            packed=False, sinks=None, chunk_size=0, alibi_slopes=None):  # fmt: skip
     """Shared launch of `_extend_kernel`; ``grid_m``: longest run of queries of one request
     (``packed``: the total of the new tokens, and the grid packs every request's blocks)."""
     t, hq, d = q.shape
@@ -281,6 +300,7 @@ def _launch(q, k, v, out, req_to_page, req_pool_indices, seq_lens, qo_indptr, gr
         steps = 0
     _extend_kernel[grid](
         q, k, v, out, req_to_page, req_pool_indices, seq_lens, qo_indptr, check_sinks(sinks, hq, q),
+        check_slopes(alibi_slopes, hq, q),
         float(scale), float(logit_cap) if logit_cap > 0 else 1.0, window_arg(window_left), chunk,
         dense_q_len, dense_kv_len, bsz - 1,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -290,7 +310,7 @@ def _launch(q, k, v, out, req_to_page, req_pool_indices, seq_lens, qo_indptr, gr
         BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv),
         UPCAST=upcast, PRECISION=precision, PACKED_STEPS=steps, HAS_SINKS=sinks is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        HAS_ALIBI=alibi_slopes is not None, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
 
@@ -314,6 +334,7 @@ def extend_attention_fwd(
     static_num_tokens: int | None = None,
     sinks: torch.Tensor | None = None,
     chunk_size: int = 0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the new tokens of every request over its paged keys ``0..seq_len-1``.
 
@@ -338,16 +359,20 @@ def extend_attention_fwd(
         joins its head's softmax denominator as a key without a value. None: no sinks.
     chunk_size: chunked local attention (Llama 4), causal only: a query at position ``p`` sees
         keys ``j >= p - p % chunk_size`` only, when > 0.
+    alibi_slopes: fp32 ``[Hq]`` ALiBi slopes: ``slope * (j - p)`` is added to the scaled (and
+        capped) score of key ``j`` for the query at position ``p``. None: no bias.
 
     Returns ``out``.
     """
     if static_num_tokens is not None:
         return _launch(q, k_buffer, v_buffer, out, req_to_page, req_pool_indices, seq_lens, qo_indptr,
                        int(static_num_tokens), int(req_pool_indices.shape[0]), scale, logit_cap, window_left,
-                       causal, page_size, True, 0, 0, packed=True, sinks=sinks, chunk_size=chunk_size)  # fmt: skip
+                       causal, page_size, True, 0, 0, packed=True, sinks=sinks, chunk_size=chunk_size,
+                       alibi_slopes=alibi_slopes)  # fmt: skip
     return _launch(q, k_buffer, v_buffer, out, req_to_page, req_pool_indices, seq_lens, qo_indptr,
                    int(max_extend_len), int(req_pool_indices.shape[0]), scale, logit_cap, window_left,
-                   causal, page_size, True, 0, 0, sinks=sinks, chunk_size=chunk_size)  # fmt: skip
+                   causal, page_size, True, 0, 0, sinks=sinks, chunk_size=chunk_size,
+                   alibi_slopes=alibi_slopes)  # fmt: skip
 
 
 def dense_attention_fwd(
@@ -363,6 +388,7 @@ def dense_attention_fwd(
     logit_cap: float = 0.0,
     sinks: torch.Tensor | None = None,
     chunk_size: int = 0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over ``batch_size`` equal-length sequences (the stateless form).
 
@@ -376,4 +402,4 @@ def dense_attention_fwd(
     sq, sk = q.shape[0] // b, k.shape[0] // b
     # The paged-only pointer arguments are never read when PAGED=False: any tensor will do.
     return _launch(q, k, v, out, q, q, q, q, sq, b, scale, logit_cap, window_left, causal, 1, False, sq, sk, sinks=sinks,
-                   chunk_size=chunk_size)
+                   chunk_size=chunk_size, alibi_slopes=alibi_slopes)
