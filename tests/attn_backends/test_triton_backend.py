@@ -382,6 +382,83 @@ def test_gpu_chunks_and_sinks_fp32(page_size, bsz):
     run_and_check(TritonBackend(), q, k, v, _with_sinks(layer_for(8, 2, 64), 5), batch)
 
 
+# ----------------------------------------------------------------------------- ALiBi
+def _with_alibi(layer, seed):
+    """Slopes drawn at random (any positive slopes; not only ALiBi's powers of two)."""
+    gen = torch.Generator().manual_seed(seed)
+    slopes = (torch.rand(layer.num_q_heads, generator=gen) * 0.5 + 0.01).tolist()
+    return dataclasses.replace(layer, alibi_slopes=tuple(slopes))
+
+
+def test_reference_alibi_matches_an_explicit_bias():
+    """torch_native's ALiBi against SDPA with the bias spelled out: slope * (j - i) on the
+    scaled scores, bottom-right aligned queries (a KV prefix before them)."""
+    b, sq, sk, hq, hkv, d = 2, 7, 19, 4, 2, 16
+    gen = torch.Generator().manual_seed(12)
+    q = torch.randn(b * sq, hq, d, generator=gen)
+    k, v = (torch.randn(b * sk, hkv, d, generator=gen) for _ in range(2))
+    layer = _with_alibi(layer_for(hq, hkv, d), 3)
+    i, j = torch.arange(sk - sq, sk)[:, None], torch.arange(sk)[None, :]
+    slopes = torch.tensor(layer.alibi_slopes)[:, None, None]
+    bias = torch.where(j <= i, slopes * (j - i).float(), float("-inf"))  # [Hq, Sq, Sk]
+    qs = q.view(b, sq, hq, d).transpose(1, 2)
+    ks, vs = (x.view(b, sk, hkv, d).transpose(1, 2).repeat_interleave(2, 1) for x in (k, v))
+    want = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=bias, scale=d**-0.5)
+    got = TorchNativeBackend().forward_dense(q, k, v, layer, b)
+    torch.testing.assert_close(got, want.transpose(1, 2).reshape(b * sq, hq, d), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("prefix,extend,window,cap,bound", [
+    ([0, 6], [19, 4], -1, 0.0, None),
+    ([13, 2], [5, 30], 5, 0.0, None),  # with a window
+    ([16, 0], [3, 17], -1, 7.0, 48),  # with a softcap, under a captured graph's static bound
+])  # fmt: skip
+def test_extend_with_alibi_matches_reference(prefix, extend, window, cap, bound):
+    pool, batch, q, k, v = make_step(prefix, extend, hq=4, hkv=2, d=16, page_size=4, dtype=torch.float32, seed=sum(extend))
+    if bound is not None:
+        batch = dataclasses.replace(batch, static_max_extend_len=bound)
+    plain = layer_for(4, 2, 16, window_left=window, logit_cap=cap)
+    out = run_and_check(TritonBackend(), q, k, v, _with_alibi(plain, len(prefix) + window), batch)
+    assert (out.float() - reference(q, plain, batch)).abs().max() > 1e-2  # the bias changed the result
+
+
+@pytest.mark.parametrize("window", [-1, 6])
+def test_decode_with_alibi_matches_reference(window):
+    seq_lens = [1, 8, 9, 19, 40]
+    pool, batch, q, k, v = make_step([s - 1 for s in seq_lens], [1] * 5, hq=8, hkv=2, d=16, page_size=4, dtype=torch.float32)
+    layer = _with_alibi(layer_for(8, 2, 16, window_left=window), 5)
+    run_and_check(TritonBackend(min_split_len=8, max_kv_splits=4), q, k, v, layer, batch)  # several splits
+
+
+def test_dense_with_alibi_matches_reference():
+    b, n, hq, hkv, d = 2, 19, 4, 2, 16
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(b * n, h, d, generator=gen).to(DEVICE) for h in (hq, hkv, hkv))
+    layer = _with_alibi(layer_for(hq, hkv, d), 9)
+    out = TritonBackend().forward_dense(q, k, v, layer, b)
+    torch.testing.assert_close(out, TorchNativeBackend().forward_dense(q, k, v, layer, b), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("bsz", [1, 7, 64])
+def test_gpu_alibi_fp32(page_size, bsz):
+    """fp32, lengths to 4096: ALiBi decode and extend against torch_native (ALiBi's own slopes
+    for 8 heads, 2^-(h+1), scaled as Falcon's SDPA path scales them)."""
+    rng = random.Random(page_size * 10 + bsz)
+    lens = [rng.randint(1, 4096) for _ in range(bsz)]
+    lens[0] = 4096
+    layer = dataclasses.replace(layer_for(8, 2, 64), alibi_slopes=tuple(2.0 ** -(h + 1) / 8 for h in range(8)))
+    pool, batch, q, k, v = make_step([n - 1 for n in lens], [1] * bsz, hq=8, hkv=2, d=64, page_size=page_size,
+                                     dtype=torch.float32, mode=ForwardMode.DECODE, seed=bsz)  # fmt: skip
+    run_and_check(TritonBackend(), q, k, v, layer, batch)
+    budget = max(1, 8192 // bsz)
+    extend = [rng.randint(1, min(n, budget)) for n in lens]
+    pool, batch, q, k, v = make_step([n - e for n, e in zip(lens, extend)], extend, hq=8, hkv=2, d=64,
+                                     page_size=page_size, dtype=torch.float32, seed=bsz + 1)  # fmt: skip
+    run_and_check(TritonBackend(), q, k, v, layer, batch)
+
+
 # ----------------------------------------------------------------------------- contract
 def test_registry_and_capabilities():
     assert registry.get_backend_class("triton") is TritonBackend

@@ -43,6 +43,16 @@ SHAPES = {
              attn_temperature_tuning=False),
         "sdpa",
     ),
+    "falcon_alibi": (  # ALiBi (in SDPA's mask); HF's bf16 rounding of the bias is exact below 256 keys
+        lambda **c: transformers.FalconConfig(
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_hidden_layers=c["num_hidden_layers"],
+            num_attention_heads=c["num_attention_heads"], num_kv_heads=c["num_key_value_heads"],
+            new_decoder_architecture=True, alibi=True, max_position_embeddings=c["max_position_embeddings"],
+            initializer_range=c["initializer_range"],
+        ),
+        {},
+        "sdpa",
+    ),
 }
 
 
@@ -80,7 +90,7 @@ def assert_bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize(
     "arch,backend",
     [("llama", "flashinfer"), ("llama", "triton"), ("qwen2", "flashinfer"), ("qwen2", "triton"),
-     ("gpt_oss", "triton"), ("llama4", "triton")],  # FlashInfer serves neither sinks nor chunks here
+     ("gpt_oss", "triton"), ("llama4", "triton"), ("falcon_alibi", "triton")],  # FlashInfer: no sinks, chunks, ALiBi
 )  # fmt: skip
 def test_accelerated_generate_on_gpu(arch, backend):
     if backend == "flashinfer":
