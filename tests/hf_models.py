@@ -81,6 +81,12 @@ ARCHS: dict[str, tuple[str, dict, tuple[str, ...]]] = {
         dict(num_kv_heads=2, new_decoder_architecture=True, alibi=True, bos_token_id=1, eos_token_id=2),
         BOTH,
     ),
+    "mpt": (  # ALiBi from a table of max_seq_len columns, sliced by the length: the traced forward
+        # holds at most 47 tokens per step, so the paged runtime runs longer steps in parts
+        "MptConfig",
+        dict(max_seq_len=48, expansion_ratio=2),
+        ("sdpa", "eager") if _supports_sdpa("mpt") else ("eager",),
+    ),
     "falcon_multi_query": (  # 7B layout: one KV head broadcast over the query heads, whatever num_kv_heads says
         "FalconConfig",
         dict(multi_query=True, new_decoder_architecture=False, alibi=False, bos_token_id=1, eos_token_id=2),

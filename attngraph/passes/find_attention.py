@@ -224,7 +224,11 @@ def _match_eager(gm: fx.GraphModule, softmax: fx.Node) -> AttentionSite | None:
     x = _skip_casts(x)
     mask = None
     scores = None
-    if fu.is_op(x, fu.ADD) and len(x.args) == 2 and not x.kwargs:
+    filled = _masked_fill_mask(gm, x)
+    if filled is not None:  # ``scores.masked_fill(blocked, min)`` (MPT): True where a key is hidden
+        scores, mask = filled
+        site.extra["mask_inverted"] = True
+    elif fu.is_op(x, fu.ADD) and len(x.args) == 2 and not x.kwargs:
         a, b = x.args
         # ``s += mask`` mutates its first argument: only that one may be the scores.
         for s_node, m_node in ((a, b),) if fu.is_inplace(x) else ((a, b), (b, a)):
@@ -296,6 +300,22 @@ def _match_eager(gm: fx.GraphModule, softmax: fx.Node) -> AttentionSite | None:
             if training and not (isinstance(p_drop, (int, float)) and p_drop == 0):
                 return site.refuse(f"dropout p={_show(p_drop)} in training mode")
     return site
+
+
+def _masked_fill_mask(gm: fx.GraphModule, x: Any) -> tuple[Any, fx.Node] | None:
+    """``x = s.masked_fill(blocked, value)`` (out of place) with ``s`` from q @ k^T and a
+    constant ``value <= -1e4``: ``(s, blocked)``; None otherwise."""
+    if not fu.is_op(x, {torch.masked_fill, "masked_fill"}) or len(x.args) != 3 or x.kwargs:
+        return None
+    s, blocked, value = x.args
+    if not (_reaches_qk_matmul(s) and isinstance(blocked, fx.Node)):
+        return None
+    try:
+        if constant_value(gm, value) > -1e4:
+            return None
+    except NotProvable:
+        return None
+    return s, blocked
 
 
 def _peel_prescale_bias(gm: fx.GraphModule, scores: Any, scale: ScaleExpr) -> tuple[Any, ScaleExpr, tuple] | None:
@@ -736,11 +756,12 @@ def _check_shapes_and_mask(gm: fx.GraphModule, site: AttentionSite, trusted: set
         if site.extra.get("is_causal"):
             site.refuse("both a mask and is_causal")
             return
-        key = (site.mask, str(qs[2]), str(ks[2]), hq)
+        key = (site.mask, str(qs[2]), str(ks[2]), hq, site.extra.get("mask_inverted", False))
         if key not in mask_cache:
             try:
                 try:
-                    mask_cache[key] = analyze_mask(gm, site.mask, site.q, site.k, trusted)
+                    inverted = site.extra.get("mask_inverted", False)
+                    mask_cache[key] = analyze_mask(gm, site.mask, site.q, site.k, trusted, inverted)
                 except MaskIsBias as exc:
                     try:  # a mask that also adds an ALiBi bias (Falcon's SDPA path)
                         mask_cache[key] = analyze_biased_mask(gm, site.mask, site.q, site.k, hq, trusted)
@@ -765,8 +786,9 @@ def _check_shapes_and_mask(gm: fx.GraphModule, site: AttentionSite, trusted: set
             return
         try:
             slopes = analyze_bias(gm, bias, hq, trusted)
-        except NotProvable as exc:
-            site.refuse(f"a term is added to q @ k^T before the softmax that is not a proven ALiBi bias ({bias.name}: {exc})")
+        except Exception as exc:  # NotProvable, or an evaluation failure: a refusal, never a wrong lowering
+            why = str(exc) if isinstance(exc, NotProvable) else f"it could not be evaluated: {type(exc).__name__}: {exc}"
+            site.refuse(f"a term is added to q @ k^T before the softmax that is not a proven ALiBi bias ({bias.name}: {why})")
             return
         site.alibi_slopes = _add_slopes(site.alibi_slopes, tuple(x * outer.constant for x in slopes))
     site.lowerable = True

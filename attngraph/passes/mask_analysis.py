@@ -266,9 +266,12 @@ def classify(mask: torch.Tensor, q_len: int, k_len: int) -> MaskPattern:
 
 
 def analyze_mask(
-    gm: fx.GraphModule, mask: fx.Node, q: fx.Node, k: fx.Node, trusted_positions: set[fx.Node] = frozenset()
+    gm: fx.GraphModule, mask: fx.Node, q: fx.Node, k: fx.Node, trusted_positions: set[fx.Node] = frozenset(),
+    inverted: bool = False,
 ) -> MaskPattern:
     """The pattern of ``mask`` for queries ``q: [B, H, Sq, D]`` and keys ``k: [B, H, Sk, D]``.
+    ``inverted``: a Boolean mask that is True where a key is blocked (``scores.masked_fill(mask,
+    min)``, MPT), not where it is seen.
 
     Raises `NotProvable` with the reason when the mask depends on data or is no known pattern.
     """
@@ -285,16 +288,26 @@ def analyze_mask(
         if not isinstance(value, torch.Tensor):
             raise NotProvable("the mask is not a tensor")
         k_len = _concrete(k_shape[-2], assignment)
+        if inverted:
+            if value.dtype != torch.bool:
+                raise NotProvable(f"masked_fill with a {value.dtype} mask")
+            value = ~value
         seen.append((classify(value, _concrete(q_shape[-2], assignment), k_len), k_len))
     _merge(seen)  # the probes refuse early, with a concrete reason; they accept nothing
-    return prove_mask(mask, q_shape[-2], k_shape[-2], set(trusted_positions))
+    return prove_mask(mask, q_shape[-2], k_shape[-2], set(trusted_positions), inverted)
 
 
-def prove_mask(mask: fx.Node, q_len: Any, k_len: Any, positions: set[fx.Node] = frozenset()) -> MaskPattern:
+def prove_mask(
+    mask: fx.Node, q_len: Any, k_len: Any, positions: set[fx.Node] = frozenset(), inverted: bool = False
+) -> MaskPattern:
     """The pattern of ``mask`` for ``q_len`` queries and ``k_len`` keys (ints or SymInts),
     proven for every value of the size symbols; `NotProvable` with the reason otherwise."""
     try:
         allowed, shape = mask_formula(mask, positions)
+        if inverted:
+            if isinstance(allowed, sympy.Piecewise):
+                allowed = linear_proof.piecewise_to_bool(allowed)
+            allowed = sympy.Not(allowed)
     except MaskIsBias:
         raise
     except NotProvable as exc:

@@ -805,10 +805,12 @@ def _getitem(interp, n, x, index):
             src_dim += 1
             continue
         if isinstance(a, slice):
-            start = a.start.expr if isinstance(a.start, Sym) else (a.start or 0)
-            step = a.step.expr if isinstance(a.step, Sym) else (a.step or 1)
+            start, step = (_slice_bound(interp, x_, default) for x_, default in ((a.start, 0), (a.step, 1)))
             start, step = sympy.sympify(start), sympy.sympify(step)
-            if not (start.is_number and start >= 0 and step.is_number and step >= 1):
+            # a symbolic start is fine when it is never negative (MPT: ``max(0, S_max - S)``)
+            if not ((start.is_number and start >= 0) or (not start.is_number and start.is_nonnegative)) or not (
+                step.is_number and step >= 1
+            ):
                 raise NotProvable(f"{n.name}: a slice with a negative or symbolic start or step")
             mapping[I[src_dim]] = start + step * I[out_dim]
             out_dim += 1
@@ -816,6 +818,17 @@ def _getitem(interp, n, x, index):
             continue
         raise NotProvable(f"{n.name}: index {a!r}")
     return Sym(x.expr.xreplace(mapping), x.kind, out_shape, interp.dtype(n))
+
+
+def _slice_bound(interp, x: Any, default: int) -> Any:
+    """A slice's start or step as a sympy expression (a number, a Sym, a traced size)."""
+    if x is None:
+        return sympy.Integer(default)
+    if isinstance(x, fx.Node):
+        x = interp.value(x)
+    if isinstance(x, Sym):
+        return x.expr
+    return size_expr(x)
 
 
 def _broadcast_one(t: Sym, j: int, adv_ndim: int, adv_shape: tuple) -> bool:

@@ -11,14 +11,14 @@ import torch
 from ..attn_backends.base import AttentionBackend, GraphSupport, ModelAttentionSpec
 from ..attn_backends.torch_native import TorchNativeBackend
 from ..config import CompileConfig
-from ..errors import ConfigError, UnsupportedModelError
+from ..errors import ConfigError, InputError, UnsupportedModelError
 from ..passes.site import AttentionSite
 from ..forward_batch import ForwardBatch
 from ..forward_context import ForwardContext, use_forward_context
 from .kv_pool import KVPool
 from .tensor_parallel import agreed_across_ranks
 from .piecewise_runner import frozen
-from .ragged_model import MIN_TOKENS, RaggedModel
+from .ragged_model import MIN_TOKENS, RaggedModel, step_token_limit
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,8 @@ class ModelRunner:
         max_pos = getattr(model.config, "max_position_embeddings", None) or MAX_DEFAULT_CONTEXT
         self.max_context_len = config.max_context_len or min(int(max_pos), MAX_DEFAULT_CONTEXT)
         self._geometry: AttentionGeometry | None = None  # set by the first compile, from its sites
+        #: Most tokens per step the traced graph holds (`step_token_limit`); None: no limit.
+        self.max_step_tokens: int | None = None
         self._pool: KVPool | None = None
         self.spec: ModelAttentionSpec | None = None
         self.backend: AttentionBackend | None = None
@@ -196,6 +198,11 @@ class ModelRunner:
         fit the pool that already holds the requests' K/V.
         """
         self.ragged._check_sites(sites)
+        if self._geometry is None:
+            self.max_step_tokens = step_token_limit(sites)
+            if self.max_step_tokens is not None:
+                logger.info("the traced forward holds at most %d tokens per step; longer steps run in parts",
+                            self.max_step_tokens)  # fmt: skip
         g = attention_geometry(sites)
         have = self._geometry
         if have is not None:
@@ -281,19 +288,22 @@ class ModelRunner:
 
         cfg = self.config
         debug = bool(cfg.debug_dump_dir)
+        limit = self.max_step_tokens or float("inf")  # a graph's tokens must fit the traced forward
+        buckets = tuple(n for n in cfg.cuda_graph_num_tokens if n <= limit)
+        capture_sizes = tuple(n for n in cfg.cuda_graph_capture_sizes if n <= limit)
         torch.cuda.synchronize()
         start, before = time.perf_counter(), pool_bytes(self.device)
         mempool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)  # one capture stream: one cuBLAS workspace
         pieces = decode = extend = None
-        if extend_full:
-            extend = ExtendGraphRunner(self, cfg.cuda_graph_num_tokens, mempool=mempool, debug=debug)
-        elif mode in PIECEWISE_MODES:
+        if extend_full and buckets:
+            extend = ExtendGraphRunner(self, buckets, mempool=mempool, debug=debug)
+        elif mode in PIECEWISE_MODES and buckets:
             state = self._piecewise_state
             state.mempool, state.stream = mempool, stream
-            pieces = PiecewiseGraphRunner(self, state, cfg.cuda_graph_num_tokens)
-        if full:
-            decode = DecodeGraphRunner(self, cfg.cuda_graph_capture_sizes, debug=debug, mempool=mempool)
+            pieces = PiecewiseGraphRunner(self, state, buckets)
+        if full and capture_sizes:
+            decode = DecodeGraphRunner(self, capture_sizes, debug=debug, mempool=mempool)
         total = sum(len(r.sizes) for r in (pieces, extend, decode) if r is not None)
         with tqdm(total=total, desc="attngraph: capturing CUDA graphs", unit="size", leave=False) as bar:
             for r in (extend, pieces, decode):
@@ -314,6 +324,12 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """Run ``batch``; returns logits ``[L, vocab]`` of the token rows ``logits_indices: [L]``
         (default: the last new token of each request, ``L = batch_size``)."""
+        if self.max_step_tokens is not None and batch.num_tokens > self.max_step_tokens:
+            raise InputError(
+                f"a step of {batch.num_tokens} tokens: {type(self.model).__name__}'s traced forward holds at most "
+                f"{self.max_step_tokens} tokens per step (its own code limits the sequence length); give fewer or "
+                "shorter sequences per call"
+            )
         if logits_indices is None:
             if self.graphs is not None and self.graphs.can_run(batch):
                 return self.graphs.replay(batch)

@@ -144,6 +144,12 @@ class PagedCache(Cache):
         if tokens.shape != (bsz,):
             raise ValueError(f"decode_step needs one token per sequence ({bsz}), got shape {tuple(tokens.shape)}")
         check_token_ids(tokens, self.pool.device, "tokens")
+        limit = self.runner.max_step_tokens
+        if limit is not None and bsz > limit:
+            raise InputError(
+                f"a decode step of {bsz} sequences: {type(self.runner.model).__name__}'s traced forward holds at most "
+                f"{limit} tokens per step; generate fewer sequences per call"
+            )
         new_lens = [n + 1 for n in self.lengths]
         self.pool.reserve(self.rows, new_lens)
         batch = ForwardBatch.decode(self.pool, self.rows, self.lengths, tokens.long(), self.next_positions)
@@ -194,6 +200,7 @@ class PagedCache(Cache):
             pos = position_ids[:, -seq:].expand(bsz, seq)
             positions = pos[valid].long()
             next_positions = (pos[:, -1] + 1).tolist()
+        self._check_step_limit([b for b in range(bsz) if counts[b] > 0], counts)
         if not self.rows:
             self._allocate(bsz)
         new_lens = [n + c for n, c in zip(self.lengths, counts)]
@@ -201,26 +208,20 @@ class PagedCache(Cache):
         # Only rows with new tokens enter the batch (an empty row is no request for the backends).
         live = [b for b in range(bsz) if counts[b] > 0]
         flat_ids = input_ids[valid].long()  # [T], request-major (int64: one compiled graph)
-        if live:
-            batch = ForwardBatch.build(
-                self.pool, [self.rows[b] for b in live], [self.lengths[b] for b in live], [counts[b] for b in live],
-                flat_ids, positions,
-            )
         if (isinstance(logits_to_keep, int) and logits_to_keep == 1) or (seq == 1 and len(live) == bsz):
             # Each request's last new token (a decode step: every row one token): [B, 1, V].
             if len(live) == bsz:
-                logits = self.runner.forward(batch)[:, None]
+                logits = self._forward(live, counts, flat_ids, positions, all_rows=False)[:, None]
             else:
                 logits = self._zero_logits(bsz, 1)
                 if live:
-                    part = self.runner.forward(batch)  # [len(live), V]
+                    part = self._forward(live, counts, flat_ids, positions, all_rows=False)  # [len(live), V]
                     logits = logits.to(part.dtype)
                     logits[torch.tensor(live, device=self.pool.device), 0] = part
         else:
             logits = self._zero_logits(bsz, seq)
             if live:
-                all_rows = torch.arange(batch.num_tokens, device=flat_ids.device)
-                flat = self.runner.forward(batch, all_rows)  # [T, V]
+                flat = self._forward(live, counts, flat_ids, positions, all_rows=True)  # [T, V]
                 logits = logits.to(flat.dtype)
                 logits[valid] = flat
             if isinstance(logits_to_keep, int) and logits_to_keep > 0:
@@ -234,6 +235,42 @@ class PagedCache(Cache):
         else:
             self.next_positions = list(new_lens)
         return logits
+
+    def _check_step_limit(self, live: list[int], counts: list[int]) -> None:
+        """Before anything is written: every request's new tokens fit one step of the traced
+        forward (`ModelRunner.max_step_tokens`)."""
+        limit = self.runner.max_step_tokens
+        if limit is not None and any(counts[b] > limit for b in live):
+            raise InputError(
+                f"a sequence of {max(counts[b] for b in live)} new tokens: {type(self.runner.model).__name__}'s traced "
+                f"forward holds at most {limit} tokens per step (its own code limits the sequence length)"
+            )
+
+    def _forward(self, live: list[int], counts: list[int], flat_ids: torch.Tensor, positions: torch.Tensor | None,
+                 all_rows: bool) -> torch.Tensor:  # fmt: skip
+        """Logits of the requests ``live`` (their new tokens ``flat_ids: [T]``, request-major):
+        ``[len(live), V]`` (each one's last token) or, ``all_rows``, ``[T, V]``. One step, or
+        consecutive groups of requests when the step would exceed `ModelRunner.max_step_tokens`."""
+        limit = self.runner.max_step_tokens or sum(counts[b] for b in live)
+        groups, current, size = [], [], 0
+        for b in live:
+            if current and size + counts[b] > limit:
+                groups.append(current)
+                current, size = [], 0
+            current.append(b)
+            size += counts[b]
+        groups.append(current)
+        outs, start = [], 0
+        for group in groups:
+            n = sum(counts[b] for b in group)
+            batch = ForwardBatch.build(
+                self.pool, [self.rows[b] for b in group], [self.lengths[b] for b in group], [counts[b] for b in group],
+                flat_ids[start : start + n], None if positions is None else positions[start : start + n],
+            )
+            rows = torch.arange(n, device=flat_ids.device) if all_rows else None
+            outs.append(self.runner.forward(batch, rows))
+            start += n
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _zero_logits(self, bsz: int, seq: int) -> torch.Tensor:
         vocab = int(self.runner.model.get_output_embeddings().weight.shape[0])

@@ -39,6 +39,44 @@ _UNCOMPILED = (
 )
 
 
+#: Largest step length `step_token_limit` looks for (beyond it a model counts as unbounded).
+TOKEN_LIMIT_SEARCH = 1 << 20
+
+
+def step_token_limit(sites: list[AttentionSite]) -> int | None:
+    """The most tokens one step of the ragged graph may hold, when Dynamo's guards bound it
+    (MPT slices its ALiBi table of ``max_seq_len`` columns by the sequence length: the graph
+    holds only shorter steps); None when every length up to `TOKEN_LIMIT_SEARCH` passes.
+
+    Read from the guards on the token count alone, evaluated at every length: a longer step
+    would fail them and recompile, and the model's own code would then fail."""
+    import numpy as np
+    import sympy
+
+    from ..passes.fx_utils import example_value
+
+    if not sites:
+        return None
+    n = example_value(sites[0].q).shape[2]  # [1, H, N, D]
+    if not isinstance(n, torch.SymInt) or not isinstance(n.node.expr, sympy.Symbol):
+        return None
+    sym, env = n.node.expr, n.node.shape_env
+    lengths = np.arange(0, TOKEN_LIMIT_SEARCH + 1, dtype=np.int64)
+    ok = lengths >= MIN_TOKENS
+    for guard in env.guards:
+        expr = guard.expr
+        if expr.free_symbols != {sym}:
+            continue
+        try:
+            holds = sympy.lambdify(sym, expr, modules=[{"Max": np.maximum, "Min": np.minimum}, "numpy"])(lengths)
+        except Exception:  # a guard numpy cannot evaluate: leave the limit to the recompile's error
+            continue
+        ok &= np.broadcast_to(np.asarray(holds, dtype=bool), ok.shape)
+    hint = int(n.node.hint) if n.node.hint is not None else MIN_TOKENS
+    failing = np.nonzero(~ok[hint:])[0]
+    return None if not len(failing) else int(hint + failing[0] - 1)
+
+
 class RaggedModel:
     """Calls ``model`` in ragged form through the attngraph compiler (paged mode)."""
 
