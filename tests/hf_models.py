@@ -87,6 +87,11 @@ ARCHS: dict[str, tuple[str, dict, tuple[str, ...]]] = {
         dict(max_seq_len=48, expansion_ratio=2),
         ("sdpa", "eager") if _supports_sdpa("mpt") else ("eager",),
     ),
+    "bloom": (  # ALiBi through baddbmm on [batch*heads, seq, dim]; transformers has eager attention only
+        "BloomConfig",
+        dict(bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        ("eager",),
+    ),
     "falcon_multi_query": (  # 7B layout: one KV head broadcast over the query heads, whatever num_kv_heads says
         "FalconConfig",
         dict(multi_query=True, new_decoder_architecture=False, alibi=False, bos_token_id=1, eos_token_id=2),

@@ -201,7 +201,10 @@ def _match_eager(gm: fx.GraphModule, softmax: fx.Node) -> AttentionSite | None:
     if out is None:
         return None
     site = _new_site(out, "eager")
-    if reshaped is not None or not fu.is_op(out, fu.MATMUL):
+    merged_v = _merged_heads_values(out, p, shape) if reshaped is not None else None
+    if merged_v is not None:  # Bloom: probabilities viewed as [B*H, Sq, Sk], bmm with [B*H, Sk, Dv] values
+        site.extra["merged_heads"] = True
+    elif reshaped is not None or not fu.is_op(out, fu.MATMUL):
         # Attention-shaped (softmax over keys times values) but not in the [B, H, S, D] form.
         if not _attention_shaped(x, out):
             return None
@@ -255,6 +258,14 @@ def _match_eager(gm: fx.GraphModule, softmax: fx.Node) -> AttentionSite | None:
         scores, f = factor
         scale = scale.times(f)
     scores = _skip_casts(scores)
+    if merged_v is not None:
+        merged = _merged_heads_scores(gm, scores, scale)
+        if isinstance(merged, str):
+            return site.refuse(merged)
+        scores, q, k_fed, scale, bias = merged
+        if bias is not None:
+            site.extra["prescale_bias"] = bias
+        return _finish_eager(gm, site, softmax, out, scores, q, k_fed, merged_v, mask, scale, cap, sinks)
     peeled_bias = _peel_prescale_bias(gm, scores, scale)
     if peeled_bias is not None:  # ``(q @ k^T + alibi) * scale`` (Falcon's and Bloom's eager paths)
         scores, scale, site.extra["prescale_bias"] = peeled_bias
@@ -276,9 +287,14 @@ def _match_eager(gm: fx.GraphModule, softmax: fx.Node) -> AttentionSite | None:
         if not _attention_shaped(x, out) or fu.example_value(kt) is None or fu.example_value(kt).dim() != 4:
             return None
         return site.refuse(f"the key operand of q @ k^T is not a transposed [B, H, S, D] key ({_producer(kt)})")
+    return _finish_eager(gm, site, softmax, out, scores, q, k_fed, out.args[1], mask, scale, cap, sinks)
+
+
+def _finish_eager(gm, site, softmax, out, scores, q, k_fed, v_fed, mask, scale, cap, sinks) -> AttentionSite:
+    """The checks every eager match ends with: repeat_kv, in-place writes, dropout."""
     site.q, site.mask, site.scale, site.logit_cap, site.sinks = q, mask, scale, cap, sinks
     site.k, n_rep_k, why_k = peel_repeat_kv(gm, k_fed)
-    site.v, n_rep_v, why_v = peel_repeat_kv(gm, out.args[1])
+    site.v, n_rep_v, why_v = peel_repeat_kv(gm, v_fed)
     site.extra.update(is_causal=False, gqa_explicit=n_rep_k > 1, softmax=softmax)
     if why_k or why_v:
         return site.refuse(why_k or why_v)
@@ -300,6 +316,82 @@ def _match_eager(gm: fx.GraphModule, softmax: fx.Node) -> AttentionSite | None:
             if training and not (isinstance(p_drop, (int, float)) and p_drop == 0):
                 return site.refuse(f"dropout p={_show(p_drop)} in training mode")
     return site
+
+
+# --------------------------------------------------------------------------- merged heads (Bloom)
+# BloomAttention computes in 3-D, batch and heads merged:
+#     scores = alibi.baddbmm(batch1=q.reshape(B*H, Sq, D), batch2=k.reshape(B*H, Sk, D).transpose(-1, -2),
+#                            beta=1.0, alpha=1/sqrt(D))                      # [B*H, Sq, Sk]
+#     p = softmax(scores.view(B, H, Sq, Sk) + mask).view(B*H, Sq, Sk)
+#     out = torch.bmm(p, v.reshape(B*H, Sk, D))                             # [B*H, Sq, D]
+# The reshapes merge the leading [B, H] of 4-D q/k/v; the op runs on those and its result is
+# reshaped back to [B*H, Sq, Dv].
+
+
+def _merged_from(x: Any, rank4_shape: tuple | None = None) -> fx.Node | None:
+    """``t`` when ``x = t.reshape(B*H, ...)`` of a 4-D ``t: [B, H, S, D]`` (leading two merged)."""
+    if not (fu.is_op(x, fu.RESHAPE) and isinstance(x.args[0], fx.Node)):
+        return None
+    src, dst = fu.shape_of(x.args[0]), fu.shape_of(x)
+    if src is None or dst is None or len(src) != 4 or len(dst) != 3:
+        return None
+    if not (_same_shape(tuple(src[2:]), tuple(dst[1:])) and fu.same_size(src[0] * src[1], dst[0])):
+        return None
+    return x.args[0]
+
+
+def _merged_heads_values(out: fx.Node, p3: fx.Node, shape: tuple) -> fx.Node | None:
+    """The 4-D values when ``out = bmm(p3, v.reshape(B*H, Sk, Dv))`` with ``p3`` the
+    probabilities ``shape = [B, H, Sq, Sk]`` viewed as ``[B*H, Sq, Sk]``; None otherwise."""
+    if not (fu.is_op(out, fu.BMM) or fu.is_op(out, fu.MATMUL)) or len(out.args) != 2 or out.args[0] is not p3:
+        return None
+    p_shape = fu.shape_of(p3)
+    if p_shape is None or len(p_shape) != 3 or not _same_shape(tuple(p_shape[1:]), tuple(shape[2:])):
+        return None
+    if not fu.same_size(p_shape[0], shape[0] * shape[1]):
+        return None
+    v4 = _merged_from(out.args[1])
+    return v4 if v4 is not None and fu.same_size(fu.shape_of(v4)[2], shape[3]) else None
+
+
+def _merged_heads_scores(gm: fx.GraphModule, scores: Any, scale: ScaleExpr):
+    """``(s3, q4, k4, scale, (bias, bias scale) or None)`` for 4-D scores that view 3-D ones
+    computed by ``baddbmm(bias, q3, k3^T, beta, alpha)`` or ``bmm(q3, k3^T)`` of merged q/k; a
+    refusal reason otherwise."""
+    if not (fu.is_op(scores, fu.RESHAPE) and isinstance(scores.args[0], fx.Node)):
+        return f"the scores before the softmax are not a view of [batch*heads] scores ({_producer(scores)})"
+    s3 = _skip_casts(scores.args[0])
+    outer = scale
+    bias = None
+    if fu.is_op(s3, {torch.baddbmm, "baddbmm"}):
+        inp = fu.arg(s3, 0, "input") if s3.op == "call_function" else s3.args[0]
+        first = 1
+        q3 = s3.args[first] if len(s3.args) > first else s3.kwargs.get("batch1")
+        kt3 = s3.args[first + 1] if len(s3.args) > first + 1 else s3.kwargs.get("batch2")
+        beta, alpha = s3.kwargs.get("beta", 1.0), s3.kwargs.get("alpha", 1.0)
+        if len(s3.args) > first + 2:
+            return "baddbmm with positional beta / alpha"
+        try:
+            beta_v, alpha_v = constant_value(gm, beta), constant_value(gm, alpha)
+        except NotProvable as exc:
+            return f"baddbmm's beta / alpha are not constants ({exc})"
+        if outer.runtime:
+            return "a position bias added before a runtime scale"
+        scale = scale.times(ScaleExpr(alpha_v))
+        bias = (inp, ScaleExpr(outer.constant * beta_v)) if beta_v != 0 else None
+    elif (fu.is_op(s3, fu.BMM) or fu.is_op(s3, fu.MATMUL)) and len(s3.args) == 2:
+        q3, kt3 = s3.args
+    else:
+        return f"the [batch*heads] scores are not baddbmm / bmm of q and k^T ({_producer(s3)})"
+    if not (fu.is_op(kt3, fu.TRANSPOSE) and isinstance(kt3.args[0], fx.Node)):
+        return f"the key operand of the [batch*heads] scores is not a transposed key ({_producer(kt3)})"
+    dims = {fu.arg(kt3, 1, "dim0"), fu.arg(kt3, 2, "dim1")}
+    if {d % 3 for d in dims if isinstance(d, int)} != {1, 2}:
+        return "the key operand of the [batch*heads] scores is not transposed in its last two dimensions"
+    q4, k4 = _merged_from(q3), _merged_from(kt3.args[0])
+    if q4 is None or k4 is None:
+        return "q / k of the [batch*heads] scores are not reshapes of [batch, heads, seq, dim] tensors"
+    return s3, q4, k4, scale, bias
 
 
 def _masked_fill_mask(gm: fx.GraphModule, x: Any) -> tuple[Any, fx.Node] | None:
@@ -626,7 +718,12 @@ def _reaches_qk_matmul(x: Any, depth: int = 8) -> bool:
         if not isinstance(x, fx.Node):
             return False
         if fu.is_op(x, fu.MATMUL):
-            return _untranspose(x.args[1]) is not None
+            return _untranspose(x.args[1]) is not None or fu.is_op(x.args[1], fu.TRANSPOSE)
+        if fu.is_op(x, fu.BMM) and len(x.args) == 2:  # the merged-heads form (Bloom)
+            return fu.is_op(x.args[1], fu.TRANSPOSE)
+        if fu.is_op(x, {torch.baddbmm, "baddbmm"}):
+            key = x.args[2] if len(x.args) > 2 else x.kwargs.get("batch2")
+            return fu.is_op(key, fu.TRANSPOSE)
         if x.op not in ("call_function", "call_method") or not x.args:
             return False
         x = x.args[0]
@@ -785,7 +882,7 @@ def _check_shapes_and_mask(gm: fx.GraphModule, site: AttentionSite, trusted: set
             site.refuse("a position bias added before a runtime scale")
             return
         try:
-            slopes = analyze_bias(gm, bias, hq, trusted)
+            slopes = analyze_bias(gm, bias, hq, trusted, merged_heads=bool(site.extra.get("merged_heads")))
         except Exception as exc:  # NotProvable, or an evaluation failure: a refusal, never a wrong lowering
             why = str(exc) if isinstance(exc, NotProvable) else f"it could not be evaluated: {type(exc).__name__}: {exc}"
             site.refuse(f"a term is added to q @ k^T before the softmax that is not a proven ALiBi bias ({bias.name}: {why})")

@@ -59,6 +59,8 @@ def lower_attention(gm: fx.GraphModule, sites: list[AttentionSite]) -> int:
             out = graph.call_function(ATTENTION_OP, args)
             out = graph.call_method("view", (out, bsz, q_len, site.num_q_heads, site.v_head_dim))
             out = graph.call_method("transpose", (out, 1, 2))  # [B, Hq, Sq, Dv]
+            if site.extra.get("merged_heads"):  # Bloom's 3-D form: [B * Hq, Sq, Dv]
+                out = graph.call_method("reshape", (out, -1, q_len, site.v_head_dim))
         out.meta["nn_module_stack"] = dict(node.meta.get("nn_module_stack", {}))
         node.replace_all_uses_with(out)
         graph.erase_node(node)

@@ -132,18 +132,32 @@ def _flat_pieces(expr: sympy.Piecewise) -> list[tuple[Any, Any]]:
     return out
 
 
-def prove_bias(bias: Any, shape: tuple, num_heads: int) -> tuple[float, ...]:
-    """Per-head slopes of ``bias`` over index symbols of ``shape`` (``[..., H or 1, Sq, Sk]``):
-    ``bias[.., h, i, j + 1] - bias[.., h, i, j]`` must be a number for each head, the same for
-    every key, query, batch row and length. `NotProvable` otherwise."""
+def prove_bias(bias: Any, shape: tuple, num_heads: int, merged_heads: bool = False) -> tuple[float, ...]:
+    """Per-head slopes of ``bias`` over index symbols of ``shape`` (``[..., H or 1, Sq, Sk]``;
+    ``merged_heads``: ``[B * H, Sq, Sk]``): ``bias[.., h, i, j + 1] - bias[.., h, i, j]`` must be
+    a number for each head, the same for every key, query, batch row and length.
+    `NotProvable` otherwise."""
     n = len(shape)
     if n < 2:
         raise NotProvable(f"a bias of shape {shape} has no query and key dimensions")
     col = I[n - 1]
     if shape[-1] == 1:  # one value per query row: the softmax cancels it
         return (0.0,) * num_heads
+    bias = bias.xreplace({I[k]: sympy.Integer(0) for k in range(n) if shape[k] == 1})  # size one: index 0
     step = sympy.simplify(bias.xreplace({col: col + 1}) - bias)
     head = I[n - 3] if n >= 3 and shape[n - 3] != 1 else None
+    if merged_heads:
+        if n != 3:
+            raise NotProvable(f"a [batch*heads] bias of shape {shape}")
+        # element (b * H + h, i, j): a fresh batch row b and head h < H
+        row, head = sympy.Symbol("_batch_row", integer=True, nonnegative=True), sympy.Symbol("_head", integer=True, nonnegative=True)
+        rows = sympy.simplify(shape[0] / num_heads)
+        index = sympy.Integer(0) if shape[0] == 1 else head if rows == 1 else row * num_heads + head
+        step = sympy.simplify(step.xreplace({I[0]: index}))
+        extra = step.free_symbols - {head}
+        if extra:
+            raise NotProvable("the [batch*heads] bias's step from one key to the next depends on more than the head")
+        return tuple(_slope(step.xreplace({head: sympy.Integer(h)}), h) for h in range(num_heads))
     if head is not None and shape[n - 3] != num_heads:
         raise NotProvable(f"a bias over {shape[n - 3]} heads for attention of {num_heads} heads")
     extra = step.free_symbols - ({head} if head is not None else set())
@@ -152,14 +166,14 @@ def prove_bias(bias: Any, shape: tuple, num_heads: int) -> tuple[float, ...]:
         raise NotProvable(
             f"the bias is not a per-head slope times the key position (its step from one key to the next depends on {names})"
         )
-    slopes = []
-    for h in range(num_heads):
-        v = step.xreplace({head: sympy.Integer(h)}) if head is not None else step
-        v = sympy.nsimplify(v) if not v.is_number else v
-        if not (v.is_number and v.is_real and v.is_finite):
-            raise NotProvable(f"the bias's slope of head {h} is not a finite number ({v})")
-        slopes.append(float(v))
-    return tuple(slopes)
+    return tuple(_slope(step.xreplace({head: sympy.Integer(h)}) if head is not None else step, h) for h in range(num_heads))
+
+
+def _slope(v: Any, h: int) -> float:
+    v = sympy.simplify(v)
+    if not (v.is_number and v.is_real and v.is_finite):
+        raise NotProvable(f"the bias's slope of head {h} is not a finite number ({v})")
+    return float(v)
 
 
 def _name(s: sympy.Symbol, ndim: int) -> str:
@@ -169,10 +183,14 @@ def _name(s: sympy.Symbol, ndim: int) -> str:
     return f"the size {s}"
 
 
-def analyze_bias(gm: fx.GraphModule, bias: fx.Node, num_heads: int, trusted_positions: set[fx.Node] = frozenset()) -> tuple[float, ...]:
-    """Per-head slopes ``[num_heads]`` of a bias added to the scores themselves (Falcon's and
-    Bloom's eager paths: ``(q @ k^T + alibi) * scale``), in the units of the scores it is
-    added to. The bias must block nothing (the mask is separate). `NotProvable` otherwise."""
+def analyze_bias(
+    gm: fx.GraphModule, bias: fx.Node, num_heads: int, trusted_positions: set[fx.Node] = frozenset(),
+    merged_heads: bool = False,
+) -> tuple[float, ...]:
+    """Per-head slopes ``[num_heads]`` of a bias added to the scores themselves (Falcon's eager
+    path: ``(q @ k^T + alibi) * scale``; Bloom's ``baddbmm(alibi, q, k^T)``), in the units of the
+    scores it is added to. ``merged_heads``: the bias is ``[B * H, Sq or 1, Sk]`` (Bloom).
+    The bias must block nothing (the mask is separate). `NotProvable` otherwise."""
     mutation = unseen_mutation(bias)
     if mutation is not None:
         raise NotProvable(f"the bias is modified in place by {mutation.name}, outside its own computation")
@@ -186,4 +204,4 @@ def analyze_bias(gm: fx.GraphModule, bias: fx.Node, num_heads: int, trusted_posi
     allowed, expr = split_bias(symbolic_mask.as_number(value))
     if allowed is not sympy.true:
         raise NotProvable("the bias added to the scores also blocks keys (a mask before the scale)")
-    return prove_bias(expr, value.shape, num_heads)
+    return prove_bias(expr, value.shape, num_heads, merged_heads)

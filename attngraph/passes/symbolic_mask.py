@@ -643,7 +643,7 @@ def _regroup(n, x: Sym, shape: tuple) -> Sym:
         raise NotProvable(f"{n.name}: a reshape that moves elements between dimensions of symbolic sizes")
     offset = sympy.Integer(0)
     for k, size in enumerate(head_dst):
-        offset = offset * size + I[k]
+        offset = offset * size + (I[k] if size != 1 else 0)  # a dimension of size one has index 0
     mapping, stride = {}, 1
     for k in range(len(head_src) - 1, -1, -1):
         mapping[I[k]] = sympy.Mod(sympy.floor(offset / stride), head_src[k]) if k else sympy.floor(offset / stride)
@@ -655,6 +655,22 @@ def _regroup(n, x: Sym, shape: tuple) -> Sym:
     final = {tmp[k]: v for k, v in mapping.items()}
     final.update({tmp[s_]: d for s_, d in tail_map.items()})
     return Sym(e.xreplace(final), x.kind, tuple(shape), x.dtype)
+
+
+def _repeat(interp, n, x, *sizes, **kwargs):
+    """``x.repeat(*sizes)``: element ``i_k`` of a repeated dimension is ``x``'s ``i_k mod size_k``."""
+    if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)):
+        sizes = sizes[0]
+    if kwargs or not isinstance(x, Sym):
+        raise NotProvable(f"{n.name}: repeat arguments")
+    shape = interp.shape(n)
+    off = len(shape) - x.ndim
+    if off < 0:
+        raise NotProvable(f"{n.name}: repeat to fewer dimensions")
+    mapping = {}
+    for k, size in enumerate(x.shape):
+        mapping[I[k]] = I[k + off] if sympy.simplify(shape[k + off] - size) == 0 else sympy.Mod(I[k + off], size)
+    return Sym(_rename(x.expr, mapping), x.kind, shape, x.dtype)  # xreplace: all at once
 
 
 def _transpose(interp, n, x, d0, d1):
@@ -912,3 +928,4 @@ _register([torch.permute, "permute"], _permute_h)
 _register([torch.tensor, torch.scalar_tensor, torch.as_tensor], _scalar_tensor)
 _register([torch.pow, "pow", "__pow__"], _pow)
 _register([torch.cat, torch.concat, torch.concatenate], _cat)
+_register(["repeat"], _repeat)

@@ -50,8 +50,6 @@ MUTATED_MASK = "the mask is modified in place by"
 MUTATED_SCORES = "the scores are modified in place by"
 ADDED_BIAS = "a term is added to q @ k^T before the softmax that is not a provable mask"
 BIAS_NOT_MASK = "the mask adds values other than 0 and -inf (a bias, not a mask)"
-OTHER_LAYOUT = "eager attention in an unsupported layout: the probabilities are reshaped to"
-BADDBMM = "baddbmm(bias, q, k^T): a position bias such as ALiBi"
 BATCH_BROADCAST = "(broadcast over the batch)"
 PAGED_REFUSAL = "every attention site must be lowered"
 
@@ -599,12 +597,16 @@ class BloomBaddbmm(P.Proj):
         q, k, v = P.qkv(self.proj(x), P.HQ)
         b, h, s_len, d = q.shape
         pos = torch.arange(s_len, device=x.device, dtype=x.dtype)
+        if self.form == "quadratic":  # a position bias that is not ALiBi
+            pos = pos * pos
         alibi = (alibi_slopes(h, x.device)[:, None, None] * pos[None, None, :]).repeat(b, 1, 1)  # [B*H, 1, S]
         q3 = q.reshape(b * h, s_len, d)
         kt3 = k.reshape(b * h, s_len, d).transpose(-1, -2)
         v3 = v.reshape(b * h, s_len, d)
-        if self.form == "torch.baddbmm":
+        if self.form in ("torch.baddbmm", "quadratic"):
             scores = torch.baddbmm(alibi, q3, kt3, beta=1.0, alpha=d ** -0.5)
+        elif self.form == "beta":
+            scores = torch.baddbmm(alibi, q3, kt3, beta=0.5, alpha=d ** -0.5)
         elif self.form == "method":  # transformers' spelling
             scores = alibi.baddbmm(batch1=q3, batch2=kt3, beta=1.0, alpha=d ** -0.5)
         else:
@@ -640,12 +642,21 @@ def test_alibi_folded_into_the_sdpa_mask_is_lowered_with_its_slopes():
         assert s.causal and s.alibi_slopes == pytest.approx(_expected_slopes(), rel=1e-6)
 
 
-@pytest.mark.parametrize("form", ["torch.baddbmm", "method"])
-def test_bloom_baddbmm_is_refused(form):
+@pytest.mark.parametrize("form", ["torch.baddbmm", "method", "beta"])
+def test_bloom_baddbmm_is_lowered_with_its_slopes(form):
+    """Bloom's [batch*heads] form: the op runs on the 4-D q/k/v the reshapes merged, and
+    baddbmm's ``beta * bias`` is the ALiBi bias in logit units."""
     b = compile_check(BloomBaddbmm(form))
-    sites = assert_refused(b, OTHER_LAYOUT)
-    for s in sites:
-        assert s.kind == "eager" and BADDBMM in s.reason, s.reason
+    assert b.report.num_lowered == len(b.sites) > 0, str(b.report)
+    want = _expected_slopes(0.5 if form == "beta" else 1.0)
+    for s in b.sites:
+        assert s.kind == "eager" and s.extra.get("merged_heads") and s.alibi_slopes == pytest.approx(want, rel=1e-6)
+
+
+def test_bloom_baddbmm_with_a_bias_that_is_not_alibi_is_refused():
+    b = compile_check(BloomBaddbmm("quadratic"))
+    sites = assert_refused(b, "not a proven ALiBi bias")
+    assert all("depends on" in s.reason for s in sites), [s.reason for s in sites]
 
 
 def _alibi_hf_model(arch: str, impl: str) -> torch.nn.Module:
@@ -678,7 +689,9 @@ def test_alibi_hf_models_stateless_lower_with_the_slopes():
         assert all(s.alibi_slopes == pytest.approx(want, rel=1e-6) for s in backend.sites), str(report)
 
 
-def test_bloom_stateless_equals_eager_and_is_refused_in_paged_mode():
+def test_bloom_stateless_lowers_with_the_slopes():
+    """Bloom (with and without a padding mask: HF builds the bias from the mask's cumsum, or
+    from an arange when there is none)."""
     model = _alibi_hf_model("bloom", "eager")
     backend = attngraph.backend(attention_backend="torch_native")
     compiled = torch.compile(model, backend=backend)
@@ -687,14 +700,9 @@ def test_bloom_stateless_equals_eager_and_is_refused_in_paged_mode():
         with torch.no_grad():
             torch.testing.assert_close(compiled(ids).logits, model(ids).logits, atol=1e-4, rtol=1e-4)
     report = backend.report
-    assert report.num_lowered == 0 and num_ops(backend) == 0, str(report)
-    assert all(BADDBMM in s.reason for s in report.sites), str(report)
-    with pytest.raises(UnsupportedModelError, match=PAGED_REFUSAL) as err:
-        attngraph.accelerate(model, attention_backend="torch_native", page_size=4, kv_cache_tokens=64)
-    text = str(err.value)
-    assert "0/2 were" in text and text.count(BADDBMM) == 2, text
-    assert "torch.compile(model, backend='attngraph')" in text  # says what to do instead
-    assert "generate" not in model.__dict__ and "forward" not in model.__dict__  # nothing half-applied
+    assert report.num_lowered == len(report.sites) > 0, str(report)
+    want = [2.0 ** (-2 * (h + 1)) for h in range(4)]  # baddbmm's beta = 1: the bias in logit units
+    assert all(s.alibi_slopes == pytest.approx(want, rel=1e-6) for s in backend.sites), str(report)
 
 
 # =========================================================================== 4. broadcasting
