@@ -53,6 +53,22 @@ SHAPES = {
         {},
         "sdpa",
     ),
+    "bloom": (  # ALiBi through baddbmm on [batch*heads, seq, dim]; eager only
+        lambda **c: transformers.BloomConfig(
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], n_layer=c["num_hidden_layers"],
+            n_head=c["num_attention_heads"], initializer_range=c["initializer_range"],
+        ),
+        {},
+        "eager",
+    ),
+    "mpt": (  # ALiBi from a table of max_seq_len columns, masked_fill mask; eager only
+        lambda **c: transformers.MptConfig(
+            vocab_size=c["vocab_size"], d_model=c["hidden_size"], n_layers=c["num_hidden_layers"],
+            n_heads=c["num_attention_heads"], max_seq_len=1024, expansion_ratio=2,
+        ),
+        {},
+        "eager",
+    ),
 }
 
 
@@ -90,7 +106,8 @@ def assert_bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize(
     "arch,backend",
     [("llama", "flashinfer"), ("llama", "triton"), ("qwen2", "flashinfer"), ("qwen2", "triton"),
-     ("gpt_oss", "triton"), ("llama4", "triton"), ("falcon_alibi", "triton")],  # FlashInfer: no sinks, chunks, ALiBi
+     ("gpt_oss", "triton"), ("llama4", "triton"), ("falcon_alibi", "triton"),
+     ("bloom", "triton"), ("mpt", "triton")],  # FlashInfer: no sinks, chunks, ALiBi
 )  # fmt: skip
 def test_accelerated_generate_on_gpu(arch, backend):
     if backend == "flashinfer":
