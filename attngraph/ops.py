@@ -27,10 +27,8 @@ def _static_layer(
     layer_id: int, hq: int, hkv: int, d: int, dv: int, scale: float, causal: bool, window_left: int, logit_cap: float,
     chunk_size: int, alibi_slopes: tuple[float, ...] | None,
 ) -> AttentionLayer:
-    if chunk_size < 0 or (chunk_size > 0 and not causal):
-        raise ValueError(f"chunk_size must be >= 0 and needs causal=True; got {chunk_size} (causal={causal})")
-    if alibi_slopes is not None and len(alibi_slopes) != hq:
-        raise ValueError(f"alibi_slopes has {len(alibi_slopes)} slopes for {hq} query heads")
+    # AttentionLayer refuses what no backend serves (InputError: chunks without a causal mask,
+    # a slope count other than the head count)
     return AttentionLayer(layer_id, hq, hkv, d, dv, scale, causal, window_left, logit_cap, chunk_size=chunk_size,
                           alibi_slopes=alibi_slopes)  # fmt: skip
 

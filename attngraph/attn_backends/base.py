@@ -72,6 +72,17 @@ class AttentionLayer:
     chunk_size: int = 0
     alibi_slopes: tuple[float, ...] | None = None
 
+    def __post_init__(self) -> None:
+        """Refuse attributes no backend can serve, before any K/V is written with them."""
+        from ..errors import InputError
+
+        if self.chunk_size < 0 or (self.chunk_size > 0 and not self.causal):
+            raise InputError(f"chunk_size must be >= 0 and needs causal=True; got {self.chunk_size} (causal={self.causal})")
+        if self.alibi_slopes is not None and len(self.alibi_slopes) != self.num_q_heads:
+            raise InputError(f"alibi_slopes has {len(self.alibi_slopes)} slopes for {self.num_q_heads} query heads")
+        if self.num_kv_heads <= 0 or self.num_q_heads % self.num_kv_heads:
+            raise InputError(f"num_q_heads {self.num_q_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+
     @property
     def gqa_group(self) -> int:
         return self.num_q_heads // self.num_kv_heads

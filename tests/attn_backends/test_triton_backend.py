@@ -44,7 +44,7 @@ from attngraph.attn_backends import registry  # noqa: E402
 from attngraph.attn_backends.base import AttentionLayer, ModelAttentionSpec  # noqa: E402
 from attngraph.attn_backends.torch_native import TorchNativeBackend  # noqa: E402
 from attngraph.attn_backends.triton_backend import TritonBackend  # noqa: E402
-from attngraph.errors import BackendUnavailableError  # noqa: E402
+from attngraph.errors import BackendUnavailableError, InputError  # noqa: E402
 from attngraph.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from attngraph.runtime.kv_pool import KVPool  # noqa: E402
 
@@ -355,11 +355,14 @@ def test_dense_with_chunks_matches_reference():
 
 def test_chunks_without_a_causal_mask_are_refused():
     pool, batch, q, k, v = make_step([0], [5], hq=4, hkv=2, d=16, page_size=4, dtype=torch.float32)
-    layer = dataclasses.replace(layer_for(4, 2, 16, causal=False), chunk_size=4)
-    backend = TritonBackend()
-    backend.init_forward_metadata(batch)
-    with pytest.raises(ValueError, match="causal"):
-        backend.forward(q, k, v, layer, batch)
+    with pytest.raises(InputError, match="causal"):  # no such layer exists to write K/V with
+        dataclasses.replace(layer_for(4, 2, 16, causal=False), chunk_size=4)
+    with pytest.raises(InputError, match="3 slopes for 4 query heads"):
+        dataclasses.replace(layer_for(4, 2, 16), alibi_slopes=(0.5, 0.25, 0.125))
+    with pytest.raises(ValueError, match="causal"):  # the kernel wrappers refuse it too
+        extend_attention.extend_attention_fwd(q, k, v, torch.empty_like(q), batch.kv_pool.req_to_page, batch.req_pool_indices,
+                             batch.seq_lens, batch.qo_indptr, 5, page_size=4, scale=0.25, causal=False,
+                             chunk_size=4)  # fmt: skip
 
 
 @pytest.mark.gpu
