@@ -275,13 +275,7 @@ def analyze_mask(
 
     Raises `NotProvable` with the reason when the mask depends on data or is no known pattern.
     """
-    mutation = unseen_mutation(mask)
-    if mutation is not None:
-        raise NotProvable(f"the mask is modified in place by {mutation.name}, outside its own computation")
-    untrusted = value_inputs(mask) - set(trusted_positions)
-    if untrusted:
-        names = ", ".join(sorted(n.name for n in untrusted))
-        raise NotProvable(f"the mask depends on the values of input(s) {names} (it can carry padding or data)")
+    check_positional(mask, trusted_positions)
     q_shape, k_shape = example_value(q).shape, example_value(k).shape
     seen: list[tuple[MaskPattern, int]] = []
     for assignment, value in evaluate(gm, mask, set(trusted_positions)):
@@ -295,6 +289,18 @@ def analyze_mask(
         seen.append((classify(value, _concrete(q_shape[-2], assignment), k_len), k_len))
     _merge(seen)  # the probes refuse early, with a concrete reason; they accept nothing
     return prove_mask(mask, q_shape[-2], k_shape[-2], set(trusted_positions), inverted)
+
+
+def check_positional(node: fx.Node, trusted_positions: Iterable[fx.Node] = (), what: str = "the mask") -> None:
+    """`NotProvable` unless ``node`` is computed from sizes and the trusted positions alone,
+    with no in-place write outside its own computation."""
+    mutation = unseen_mutation(node)
+    if mutation is not None:
+        raise NotProvable(f"{what} is modified in place by {mutation.name}, outside its own computation")
+    untrusted = value_inputs(node) - set(trusted_positions)
+    if untrusted:
+        names = ", ".join(sorted(n.name for n in untrusted))
+        raise NotProvable(f"{what} depends on the values of input(s) {names} (it can carry padding or data)")
 
 
 def prove_mask(

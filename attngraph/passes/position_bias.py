@@ -36,11 +36,10 @@ from .mask_analysis import (
     _merge,
     _shape_env_ranges,
     candidate_pattern,
+    check_positional,
     classify,
     evaluate,
     prove_pattern,
-    unseen_mutation,
-    value_inputs,
 )
 from .symbolic_mask import I, NotProvable, size_expr
 
@@ -56,13 +55,7 @@ def analyze_biased_mask(
 
     Raises `NotProvable` with the reason when either part is not proven for every length.
     """
-    mutation = unseen_mutation(mask)
-    if mutation is not None:
-        raise NotProvable(f"the mask is modified in place by {mutation.name}, outside its own computation")
-    untrusted = value_inputs(mask) - set(trusted_positions)
-    if untrusted:
-        names = ", ".join(sorted(n.name for n in untrusted))
-        raise NotProvable(f"the mask depends on the values of input(s) {names} (it can carry padding or data)")
+    check_positional(mask, trusted_positions)
     q_shape, k_shape = example_value(q).shape, example_value(k).shape
     seen = []
     for assignment, value in evaluate(gm, mask, set(trusted_positions)):
@@ -191,13 +184,7 @@ def analyze_bias(
     path: ``(q @ k^T + alibi) * scale``; Bloom's ``baddbmm(alibi, q, k^T)``), in the units of the
     scores it is added to. ``merged_heads``: the bias is ``[B * H, Sq or 1, Sk]`` (Bloom).
     The bias must block nothing (the mask is separate). `NotProvable` otherwise."""
-    mutation = unseen_mutation(bias)
-    if mutation is not None:
-        raise NotProvable(f"the bias is modified in place by {mutation.name}, outside its own computation")
-    untrusted = value_inputs(bias) - set(trusted_positions)
-    if untrusted:
-        names = ", ".join(sorted(n.name for n in untrusted))
-        raise NotProvable(f"the bias depends on the values of input(s) {names}")
+    check_positional(bias, trusted_positions, "the bias")
     value = symbolic_mask.ElementInterpreter(set(trusted_positions), reals=True).run(bias)
     if value.kind not in ("float", "real", "int"):
         raise NotProvable(f"a bias of dtype {value.dtype}")
