@@ -38,10 +38,13 @@ logger = logging.getLogger(__name__)
 STOP_CHECK_EVERY = 8
 
 
-def _eligible(stopping_criteria: StoppingCriteriaList, generation_config, streamer, cache) -> str | None:
+def _eligible(stopping_criteria: StoppingCriteriaList, generation_config, streamer, cache, batch_size: int) -> str | None:
     """None when the fast loop reproduces HF exactly here, else why not."""
     if not isinstance(cache, PagedCache):
         return "no PagedCache"
+    limit = cache.runner.max_step_tokens
+    if limit is not None and batch_size > limit:  # HF's loop runs each step in groups (PagedCache.step)
+        return f"{batch_size} sequences, above the traced forward's {limit} tokens per step"
     if cache.columns:
         return "a cache holding earlier tokens (an assistant's, passed back)"
     if streamer is not None:
@@ -125,7 +128,7 @@ def paged_sample(
     if isinstance(cache, PagedCache):
         check_call(cache, input_ids, generation_config, model_kwargs)
     why = None if not synced_gpus else "synced_gpus"
-    why = why or _eligible(stopping_criteria, generation_config, streamer, cache)
+    why = why or _eligible(stopping_criteria, generation_config, streamer, cache, input_ids.shape[0])
     if why is not None:
         logger.debug("attngraph: HF decoding loop (%s)", why)
         return type(model)._sample(

@@ -126,3 +126,24 @@ def test_direct_forward_without_paged_cache_is_the_original():
     ids, _ = left_padded_batch(model.config.vocab_size, (10,))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits)
+
+
+def test_a_forward_traced_for_short_steps_runs_longer_steps_in_groups():
+    """MPT slices its ALiBi table of max_seq_len (48) columns by the length: its traced forward
+    holds at most 47 tokens per step. A prefill of 57 tokens runs as groups of requests, 50
+    sequences decode through HF's loop in groups; a single 48-token sequence is refused before
+    anything is written."""
+    model, reference = accelerated_pair("mpt", "eager")
+    runner = state_of(model).runner
+    assert runner.max_step_tokens == 47
+    for lengths in ((24, 13, 20), (4,) * 50):
+        ids, mask = left_padded_batch(model.config.vocab_size, lengths, seed=len(lengths))
+        got = model.generate(ids, attention_mask=mask, **{**GREEDY, "max_new_tokens": 6})
+        with torch.no_grad():
+            want = reference.generate(ids, attention_mask=mask, **{**GREEDY, "max_new_tokens": 6})
+        assert torch.equal(got, want)
+    assert runner.num_compilations == 1
+    ids = torch.randint(3, model.config.vocab_size, (1, 48))
+    with pytest.raises(attngraph.InputError, match="at most 47 tokens per step"):
+        model.generate(ids, **{**GREEDY, "max_new_tokens": 1})
+    assert runner.pool.num_used_pages == 0 and runner.pool.num_active_requests == 0
