@@ -264,10 +264,14 @@ def _match_eager(gm: fx.GraphModule, softmax: fx.Node) -> AttentionSite | None:
             return site.refuse(merged)
         scores, q, k_fed, scale, bias = merged
         if bias is not None:
+            if cap:  # the op adds its bias after the softcap, not inside it
+                return site.refuse("a position bias added inside the softcap (the op adds it after the softcap)")
             site.extra["prescale_bias"] = bias
         return _finish_eager(gm, site, softmax, out, scores, q, k_fed, merged_v, mask, scale, cap, sinks)
     peeled_bias = _peel_prescale_bias(gm, scores, scale)
-    if peeled_bias is not None:  # ``(q @ k^T + alibi) * scale`` (Falcon's and Bloom's eager paths)
+    if peeled_bias is not None:  # ``(q @ k^T + alibi) * scale`` (Falcon's eager path, MPT)
+        if cap:  # the op adds its bias after the softcap, not inside it
+            return site.refuse("a position bias added inside the softcap (the op adds it after the softcap)")
         scores, scale, site.extra["prescale_bias"] = peeled_bias
     if not (fu.is_op(scores, fu.MATMUL) and len(scores.args) == 2):
         if not _attention_shaped(x, out):

@@ -561,6 +561,9 @@ class AlibiEager(P.Proj):
             p = F.softmax(s + mask, dim=-1, dtype=x.dtype)
         elif self.form == "scaled then biased":
             p = (s * P.D ** -0.5 + alibi + mask).softmax(-1)
+        elif self.form == "biased then capped":  # the bias inside the softcap: not the op's order
+            t = s * P.D ** -0.5 + alibi
+            p = (torch.tanh(t / 0.5) * 0.5 + mask).softmax(-1)
         elif self.form is None:
             p = (s * P.D ** -0.5 + mask).softmax(-1)
         else:
@@ -631,6 +634,13 @@ def test_alibi_added_to_the_scores_is_lowered_with_its_slopes(form):
     want = _expected_slopes(P.D ** -0.5 if form == "falcon" else 1.0)
     for s in b.sites:
         assert s.alibi_slopes == pytest.approx(want, rel=1e-6) and "alibi" in s.describe()
+
+
+def test_alibi_inside_a_softcap_is_refused():
+    """The op adds the bias after the softcap; a bias added inside it is another function."""
+    module = AlibiEager("biased then capped")
+    assert outputs_differ(module, "form", "scaled then biased")
+    assert len(assert_refused(compile_check(module), "inside the softcap")) > 0
 
 
 def test_alibi_folded_into_the_sdpa_mask_is_lowered_with_its_slopes():
