@@ -892,6 +892,11 @@ def _check_shapes_and_mask(gm: fx.GraphModule, site: AttentionSite, trusted: set
             site.refuse(f"a term is added to q @ k^T before the softmax that is not a proven ALiBi bias ({bias.name}: {why})")
             return
         site.alibi_slopes = _add_slopes(site.alibi_slopes, tuple(x * outer.constant for x in slopes))
+    if site.alibi_slopes is not None and site.sinks is not None:
+        # The bias is proven up to a constant per query row, which the softmax cancels, but a
+        # sink logit does not move with it.
+        site.refuse("a position bias together with attention sinks (the bias is known only up to a per-row constant)")
+        return
     site.lowerable = True
     site.reason = "lowered: " + site.describe()
 

@@ -636,6 +636,31 @@ def test_alibi_added_to_the_scores_is_lowered_with_its_slopes(form):
         assert s.alibi_slopes == pytest.approx(want, rel=1e-6) and "alibi" in s.describe()
 
 
+class AlibiWithSinks(P.Proj):
+    """GPT-OSS-style sinks next to an ALiBi bias: the sink logit does not move with the bias's
+    per-row constant, so the bias must be known exactly, which the proof does not give."""
+
+    def __init__(self):
+        super().__init__(heads_kv=P.HQ)
+        self.sinks = torch.nn.Parameter(torch.randn(P.HQ))
+
+    def forward(self, x):
+        q, k, v = P.qkv(self.proj(x), P.HQ)
+        s_len = x.shape[1]
+        i = torch.arange(s_len, device=x.device, dtype=x.dtype)
+        alibi = alibi_slopes(P.HQ, x.device)[:, None, None] * i[None, None, :]  # slope * j: rows shifted by i
+        w = q @ k.transpose(-1, -2) * P.D ** -0.5 + alibi + causal_float_mask(s_len, x.device, x.dtype)
+        sink = self.sinks.reshape(1, -1, 1, 1).expand(x.shape[0], -1, s_len, -1)
+        combined = torch.cat([w, sink], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        p = F.softmax(combined, dim=-1)[..., :-1]
+        return self.finish(p @ v)
+
+
+def test_alibi_with_sinks_is_refused():
+    assert len(assert_refused(compile_check(AlibiWithSinks()), "together with attention sinks")) > 0
+
+
 def test_alibi_inside_a_softcap_is_refused():
     """The op adds the bias after the softcap; a bias added inside it is another function."""
     module = AlibiEager("biased then capped")
