@@ -23,6 +23,7 @@ own KV head count), output ``[T, num_q_heads, v_head_dim]``.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -80,6 +81,8 @@ class AttentionLayer:
             raise InputError(f"chunk_size must be >= 0 and needs causal=True; got {self.chunk_size} (causal={self.causal})")
         if self.alibi_slopes is not None and len(self.alibi_slopes) != self.num_q_heads:
             raise InputError(f"alibi_slopes has {len(self.alibi_slopes)} slopes for {self.num_q_heads} query heads")
+        if self.alibi_slopes is not None and not all(math.isfinite(x) for x in self.alibi_slopes):
+            raise InputError(f"alibi_slopes must be finite numbers, got {self.alibi_slopes}")
         if self.num_kv_heads <= 0 or self.num_q_heads % self.num_kv_heads:
             raise InputError(f"num_q_heads {self.num_q_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
 

@@ -368,12 +368,10 @@ def _merged_heads_scores(gm: fx.GraphModule, scores: Any, scale: ScaleExpr):
     outer = scale
     bias = None
     if fu.is_op(s3, {torch.baddbmm, "baddbmm"}):
-        inp = fu.arg(s3, 0, "input") if s3.op == "call_function" else s3.args[0]
-        first = 1
-        q3 = s3.args[first] if len(s3.args) > first else s3.kwargs.get("batch1")
-        kt3 = s3.args[first + 1] if len(s3.args) > first + 1 else s3.kwargs.get("batch2")
+        # torch.baddbmm(bias, q3, kt3, beta=, alpha=) or bias.baddbmm(batch1=q3, batch2=kt3, ...)
+        inp, q3, kt3 = fu.arg(s3, 0, "input"), fu.arg(s3, 1, "batch1"), fu.arg(s3, 2, "batch2")
         beta, alpha = s3.kwargs.get("beta", 1.0), s3.kwargs.get("alpha", 1.0)
-        if len(s3.args) > first + 2:
+        if len(s3.args) > 3:
             return "baddbmm with positional beta / alpha"
         try:
             beta_v, alpha_v = constant_value(gm, beta), constant_value(gm, alpha)

@@ -648,13 +648,8 @@ def _regroup(n, x: Sym, shape: tuple) -> Sym:
     for k in range(len(head_src) - 1, -1, -1):
         mapping[I[k]] = sympy.Mod(sympy.floor(offset / stride), head_src[k]) if k else sympy.floor(offset / stride)
         stride *= int(head_src[k]) if k else 1
-    tail_map = {I[len(head_src) + t]: I[len(head_dst) + t] for t in range(tail)}
-    # rename in two steps so that source and destination symbols never collide
-    tmp = {I[k]: sympy.Symbol(f"_tmp{k}", integer=True, nonnegative=True) for k in range(len(src))}
-    e = x.expr.xreplace(tmp)
-    final = {tmp[k]: v for k, v in mapping.items()}
-    final.update({tmp[s_]: d for s_, d in tail_map.items()})
-    return Sym(e.xreplace(final), x.kind, tuple(shape), x.dtype)
+    mapping.update({I[len(head_src) + t]: I[len(head_dst) + t] for t in range(tail)})
+    return Sym(_rename(x.expr, mapping), x.kind, tuple(shape), x.dtype)  # xreplace: all at once
 
 
 def _repeat(interp, n, x, *sizes, **kwargs):

@@ -359,6 +359,12 @@ def test_chunks_without_a_causal_mask_are_refused():
         dataclasses.replace(layer_for(4, 2, 16, causal=False), chunk_size=4)
     with pytest.raises(InputError, match="3 slopes for 4 query heads"):
         dataclasses.replace(layer_for(4, 2, 16), alibi_slopes=(0.5, 0.25, 0.125))
+    with pytest.raises(InputError, match="finite"):
+        dataclasses.replace(layer_for(4, 2, 16), alibi_slopes=(0.5, float("nan"), 0.25, 0.125))
+    with pytest.raises(InputError, match="alibi_slopes must be float32"):  # the kernel wrappers check the tensor
+        extend_attention.extend_attention_fwd(q, k, v, torch.empty_like(q), batch.kv_pool.req_to_page,
+                                              batch.req_pool_indices, batch.seq_lens, batch.qo_indptr, 5, page_size=4,
+                                              scale=0.25, alibi_slopes=torch.ones(4, dtype=torch.float64))  # fmt: skip
     with pytest.raises(ValueError, match="causal"):  # the kernel wrappers refuse it too
         extend_attention.extend_attention_fwd(q, k, v, torch.empty_like(q), batch.kv_pool.req_to_page, batch.req_pool_indices,
                              batch.seq_lens, batch.qo_indptr, 5, page_size=4, scale=0.25, causal=False,

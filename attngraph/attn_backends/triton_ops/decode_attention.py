@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ...errors import InputError
+
 logger = logging.getLogger(__name__)
 
 #: Stands for "no window": large enough to admit every key, small enough not to overflow int32.
@@ -242,7 +244,7 @@ def check_sinks(sinks: torch.Tensor | None, num_q_heads: int, like: torch.Tensor
     if sinks is None:
         return like
     if sinks.shape != (num_q_heads,) or sinks.device != like.device:
-        raise ValueError(f"sinks must be [{num_q_heads}] on {like.device}; got {tuple(sinks.shape)} on {sinks.device}")
+        raise InputError(f"sinks must be [{num_q_heads}] on {like.device}; got {tuple(sinks.shape)} on {sinks.device}")
     return sinks.contiguous()
 
 
@@ -259,7 +261,7 @@ def check_slopes(slopes: torch.Tensor | None, num_q_heads: int, like: torch.Tens
     if slopes is None:
         return like
     if slopes.shape != (num_q_heads,) or slopes.device != like.device or slopes.dtype != torch.float32:
-        raise ValueError(
+        raise InputError(
             f"alibi_slopes must be float32 [{num_q_heads}] on {like.device}; got {slopes.dtype} "
             f"{tuple(slopes.shape)} on {slopes.device}"
         )
