@@ -84,6 +84,12 @@ class CompileConfig:
     fuse_linears:
         Paged runtime: linears reading the same input (q/k/v, gate/up) run as one GEMM on
         their concatenated weights (`passes.fuse_linears`; the parameters become views of it).
+    absorb_mla:
+        Paged runtime: multi-head latent attention (DeepSeek V2/V3 and kin) attends over its
+        latent plus RoPE key, one KV head of ``kv_lora_rank + qk_rope_head_dim`` values per
+        token and layer, with ``kv_b_proj`` absorbed into the query and the output
+        (`passes.absorb_mla`). False keeps the expanded per-head K/V (the MHA form), which
+        backends limited to common head dims (FlashInfer) can serve.
     debug_dump_dir:
         Folder for FX graph dumps before/after each pass. The environment variable
         ``ATTNGRAPH_DEBUG=1`` turns dumps on with a temporary folder named in the log.
@@ -111,6 +117,7 @@ class CompileConfig:
     lower_attention: bool = True
     deterministic: bool = False
     fuse_linears: bool = True
+    absorb_mla: bool = True
     debug_dump_dir: str | None = None
 
     def __post_init__(self) -> None:
@@ -134,7 +141,7 @@ class CompileConfig:
             if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
                 raise ConfigError(f"{fname} must be positive ints, got {sizes!r}")
             object.__setattr__(self, fname, tuple(sorted(set(sizes))))
-        for fname in ("lower_attention", "deterministic", "fuse_linears"):
+        for fname in ("lower_attention", "deterministic", "fuse_linears", "absorb_mla"):
             if not isinstance(getattr(self, fname), bool):  # "no" would read as True
                 raise ConfigError(f"{fname} must be True or False, got {getattr(self, fname)!r}")
         _check_int(self.page_size, "page_size", 1)

@@ -72,10 +72,16 @@ class AttentionLayer:
     sinks: "torch.Tensor | None" = field(default=None, compare=False, hash=False, repr=False)
     chunk_size: int = 0
     alibi_slopes: tuple[float, ...] | None = None
+    #: The op passes ``sinks`` to this layer (known when the graph is compiled, before any
+    #: tensor is: backends that plan per layer kind plan a sink variant). Set with ``sinks``.
+    has_sinks: bool = False
 
     def __post_init__(self) -> None:
         """Refuse attributes no backend can serve, before any K/V is written with them."""
         from ..errors import InputError
+
+        if self.sinks is not None and not self.has_sinks:
+            object.__setattr__(self, "has_sinks", True)
 
         if self.chunk_size < 0 or (self.chunk_size > 0 and not self.causal):
             raise InputError(f"chunk_size must be >= 0 and needs causal=True; got {self.chunk_size} (causal={self.causal})")
@@ -115,6 +121,9 @@ class ModelAttentionSpec:
     uses_chunks: bool = False
     #: Some layer adds an ALiBi bias (Falcon, Bloom, MPT).
     uses_alibi: bool = False
+    #: Paged form: the pool stores multi-head latent attention's latent + RoPE key as one KV
+    #: head, and the values are its first ``v_head_dim`` columns (`passes.absorb_mla`).
+    value_in_key: bool = False
 
 
 @dataclass(frozen=True)
@@ -133,6 +142,8 @@ class BackendCapabilities:
     distinct_v_head_dim: bool = True
     #: Serves attention sinks (`AttentionLayer.sinks`) in every mode.
     sinks: bool = True
+    #: Serves a pool whose values are its keys' first columns (MLA's latent cache).
+    value_in_key: bool = True
     #: Serves chunked local attention (`AttentionLayer.chunk_size`) in every mode.
     chunked: bool = True
     #: Serves ALiBi biases (`AttentionLayer.alibi_slopes`) in every mode.
@@ -150,6 +161,12 @@ class BackendCapabilities:
             return f"runs on {self.device_types}, not {spec.device_type}{hint}"
         if spec.dtype not in self.dtypes:
             return f"supports dtypes {[str(d) for d in self.dtypes]}, not {spec.dtype}"
+        if spec.value_in_key and not self.value_in_key:
+            return (
+                f"does not serve multi-head latent attention over its latent cache (one KV head of "
+                f"{max(spec.head_dims)} values, the first {min(spec.head_dims)} of them the values); "
+                "CompileConfig(absorb_mla=False) keeps the expanded per-head K/V instead"
+            )
         if self.head_dims is not None:
             bad = [d for d in spec.head_dims if d not in self.head_dims]
             if bad:

@@ -62,7 +62,7 @@ class AttnGraphBackend:
             raise ValueError(f"mode must be 'stateless' or 'paged', got {mode!r}")
         self.config = config or CompileConfig()
         self.mode = mode
-        self.pipeline = PassPipeline(self.config, trusted_positions)
+        self.pipeline = PassPipeline(self.config, trusted_positions, paged=mode == "paged")
         self.report = AttentionReport()
         self.graphs: list[fx.GraphModule] = []
         self.sites: list[AttentionSite] = []

@@ -1,4 +1,4 @@
-"""The pass pipeline: find_attention -> lower_attention -> cleanup (cleanup always last).
+"""The pass pipeline: find_attention -> lower_attention -> cleanup [-> absorb_mla -> cleanup].
 
 With ``CompileConfig.debug_dump_dir`` set (or ``ATTNGRAPH_DEBUG=1``), the graph is written
 before and after each pass to ``<dir>/graph<k>/<step>.py``.
@@ -14,7 +14,7 @@ from typing import Any, Iterable
 from torch import fx
 
 from ..config import CompileConfig
-from ..passes import cleanup, find_attention, lower_attention
+from ..passes import absorb_mla, cleanup, find_attention, lower_attention
 from ..passes.site import AttentionSite
 
 logger = logging.getLogger(__name__)
@@ -25,9 +25,12 @@ class PassPipeline:
 
     _graph_ids = itertools.count()
 
-    def __init__(self, config: CompileConfig, trusted_positions: Iterable[str] = ()) -> None:
+    def __init__(self, config: CompileConfig, trusted_positions: Iterable[str] = (), paged: bool = False) -> None:
+        """``paged``: the graph runs on the paged runtime, whose pool may store MLA's latent
+        (`absorb_mla`, with ``config.absorb_mla``)."""
         self.config = config
         self.trusted_positions = tuple(trusted_positions)
+        self.paged = paged
         self._announced = False
 
     def run(self, gm: fx.GraphModule, example_inputs: list[Any] | None = None) -> list[AttentionSite]:
@@ -39,6 +42,9 @@ class PassPipeline:
             dump(gm, "1-lower_attention")
             cleanup(gm)
             dump(gm, "2-cleanup")
+            if self.paged and self.config.absorb_mla and absorb_mla(gm, sites):
+                cleanup(gm)
+                dump(gm, "3-absorb_mla")
         return sites
 
     def _dumper(self):

@@ -3,10 +3,12 @@
 >>> sites = find_attention(gm)          # what is there, and what may be lowered
 >>> lower_attention(gm, sites)          # rewrite lowerable sites to torch.ops.attngraph.attention
 >>> cleanup(gm)                         # drop the dead mask / repeat_kv code
+>>> absorb_mla(gm, sites)               # paged MLA: attend over the latent, kv_b absorbed
 >>> check_token_mixing(gm)              # ragged graphs: ops besides attention that mix tokens
 >>> fuse_linears(gm, real_inputs)       # q/k/v, gate/up: one GEMM on concatenated weights
 """
 
+from .absorb_mla import absorb_mla
 from .cleanup import cleanup
 from .find_attention import find_attention
 from .fuse_linears import FuseResult, fuse_linears
@@ -19,6 +21,7 @@ __all__ = [
     "ATTENTION_OP",
     "AttentionSite",
     "TokenMixingOp",
+    "absorb_mla",
     "check_token_mixing",
     "MaskPattern",
     "NotProvable",

@@ -58,6 +58,9 @@ class AttentionSite:
     lowerable: bool = False
     reason: str = ""
     lowered: bool = False
+    #: The values are the keys' first ``v_head_dim`` columns (multi-head latent attention over
+    #: its latent, `absorb_mla`): the paged pool stores the keys alone.
+    value_in_key: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_layer(self):
@@ -69,7 +72,7 @@ class AttentionSite:
         return AttentionLayer(
             self.layer_id, self.num_q_heads, self.num_kv_heads, self.head_dim, self.v_head_dim,
             float(self.scale.constant), self.causal, self.window_left, float(self.logit_cap), chunk_size=self.chunk_size,
-            alibi_slopes=self.alibi_slopes,
+            alibi_slopes=self.alibi_slopes, has_sinks=self.sinks is not None,
         )
 
     def refuse(self, reason: str) -> "AttentionSite":
@@ -91,6 +94,9 @@ class AttentionSite:
             parts.append("sinks")
         if self.alibi_slopes is not None:
             parts.append("alibi")
+        if "mla" in self.extra:
+            mla = self.extra["mla"]
+            parts.append(f"mla latent={mla['latent_dim']}+rope={mla['rope_dim']}")
         if self.num_kv_heads and self.num_q_heads != self.num_kv_heads:
             parts.append(f"gqa={self.num_q_heads}/{self.num_kv_heads}")
         if self.scale is not None:

@@ -36,7 +36,9 @@ class KVPool:
     Layout
     ------
     ``k_buffers[layer]``: ``[num_pages + 1, page_size, num_kv_heads, head_dim]`` (page 0 is the
-    dummy page); ``v_buffers[layer]``: same with ``v_head_dim``.
+    dummy page); ``v_buffers[layer]``: same with ``v_head_dim``. With ``value_in_key`` (MLA's
+    latent cache) ``v_buffers[layer]`` is the view ``k_buffers[layer][..., :v_head_dim]``: the
+    values are stored once, as the keys' first columns.
     ``req_to_page``: ``[max_requests, max_pages_per_req]`` int32 on the device; row ``r`` lists
     the pages of request ``r`` in order (unused entries hold 0). ``req_to_page_cpu`` mirrors it.
     A token at position ``p`` of request ``r`` lives at slot
@@ -58,6 +60,7 @@ class KVPool:
         max_requests: int,
         max_context_len: int,
         v_head_dim: int | None = None,
+        value_in_key: bool = False,
     ) -> None:
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"KVPool needs num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
@@ -65,6 +68,9 @@ class KVPool:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.v_head_dim = v_head_dim or head_dim
+        if value_in_key and self.v_head_dim > head_dim:
+            raise ValueError(f"values in the keys need v_head_dim <= head_dim, got {self.v_head_dim} > {head_dim}")
+        self.value_in_key = value_in_key
         self.num_pages = num_pages
         self.page_size = page_size
         self.dtype = dtype
@@ -75,7 +81,10 @@ class KVPool:
         shape_k = (num_pages + 1, page_size, num_kv_heads, head_dim)
         shape_v = (num_pages + 1, page_size, num_kv_heads, self.v_head_dim)
         self.k_buffers = [torch.zeros(shape_k, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape_v, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        if value_in_key:
+            self.v_buffers = [k[..., : self.v_head_dim] for k in self.k_buffers]
+        else:
+            self.v_buffers = [torch.zeros(shape_v, dtype=dtype, device=self.device) for _ in range(num_layers)]
         # One row more than ``max_requests``: row ``pad_row`` is never handed out and stays all
         # zeros (the dummy page), for the padding requests of CUDA-graph batches.
         self.pad_row = max_requests
@@ -90,9 +99,10 @@ class KVPool:
 
     # ------------------------------------------------------------------ sizing
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, v_head_dim: int, dtype: torch.dtype) -> int:
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, v_head_dim: int, dtype: torch.dtype,
+                        value_in_key: bool = False) -> int:  # fmt: skip
         elt = torch.empty((), dtype=dtype).element_size()
-        return num_layers * num_kv_heads * (head_dim + v_head_dim) * elt
+        return num_layers * num_kv_heads * (head_dim + (0 if value_in_key else v_head_dim)) * elt
 
     # ------------------------------------------------------------------ state
     @property
@@ -217,6 +227,9 @@ class KVPool:
     def write(self, layer_id: int, out_cache_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new K/V: ``k: [T, num_kv_heads, head_dim]`` at slots ``out_cache_loc: [T]``."""
         kb = self.k_buffers[layer_id].view(-1, self.num_kv_heads, self.head_dim)
+        if self.value_in_key:  # v is k's first columns (the caller's contract): one write
+            kb.index_copy_(0, out_cache_loc, k.to(kb.dtype))
+            return
         vb = self.v_buffers[layer_id].view(-1, self.num_kv_heads, self.v_head_dim)
         if kb.is_cuda and torch.cuda.is_current_stream_capturing():
             # In a captured graph one launch for both buffers saves a kernel per layer and

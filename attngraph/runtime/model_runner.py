@@ -40,6 +40,8 @@ class AttentionGeometry:
     num_kv_heads: int
     head_dim: int
     v_head_dim: int
+    #: The values are the keys' first ``v_head_dim`` columns (MLA's latent): the pool stores K only.
+    value_in_key: bool = False
 
 
 def attention_geometry(sites: list[AttentionSite]) -> AttentionGeometry:
@@ -65,9 +67,18 @@ def attention_geometry(sites: list[AttentionSite]) -> AttentionGeometry:
             raise UnsupportedModelError(f"attention site {s.name} has no KV-pool layer")
     if len({s.layer_id for s in sites}) != len(sites):
         raise UnsupportedModelError("two attention sites map to the same KV-pool layer")
+    if len({s.value_in_key for s in sites}) != 1:  # same dims, but values stored in one layer only
+        raise UnsupportedModelError("some attention sites read their values from their keys and others do not")
     return AttentionGeometry(
-        max(s.layer_id for s in sites) + 1, first.num_q_heads, first.num_kv_heads, first.head_dim, first.v_head_dim
+        max(s.layer_id for s in sites) + 1, first.num_q_heads, first.num_kv_heads, first.head_dim, first.v_head_dim,
+        first.value_in_key,
     )
+
+
+def _head_dims(g: AttentionGeometry) -> str:
+    if g.value_in_key:
+        return f"{g.head_dim} (latent + RoPE key; the values are its first {g.v_head_dim})"
+    return str(g.head_dim) if g.v_head_dim == g.head_dim else f"{g.head_dim} (K) / {g.v_head_dim} (V)"
 
 
 class ModelRunner:
@@ -162,7 +173,8 @@ class ModelRunner:
 
     def _make_pool(self) -> KVPool:
         g, cfg = self.geometry, self.config
-        per_token = KVPool.bytes_per_token(g.num_layers, g.num_kv_heads, g.head_dim, g.v_head_dim, self.dtype)
+        per_token = KVPool.bytes_per_token(g.num_layers, g.num_kv_heads, g.head_dim, g.v_head_dim, self.dtype,
+                                           value_in_key=g.value_in_key)  # fmt: skip
         if cfg.kv_cache_tokens is not None:
             tokens = cfg.kv_cache_tokens
         elif self.device.type == "cuda":
@@ -176,13 +188,14 @@ class ModelRunner:
         logger.info(
             "KV pool: %d pages x %d tokens (%.1f MiB, %d bytes per token) for %d layers of %d KV heads x %s",
             num_pages, cfg.page_size, num_pages * cfg.page_size * per_token / 2**20, per_token, g.num_layers,
-            g.num_kv_heads, g.head_dim if g.v_head_dim == g.head_dim else f"{g.head_dim} (K) / {g.v_head_dim} (V)",
+            g.num_kv_heads, _head_dims(g),
         )
         return KVPool(
             num_layers=g.num_layers,
             num_kv_heads=g.num_kv_heads,
             head_dim=g.head_dim,
             v_head_dim=g.v_head_dim,
+            value_in_key=g.value_in_key,
             num_pages=num_pages,
             page_size=cfg.page_size,
             dtype=self.dtype,
@@ -207,7 +220,8 @@ class ModelRunner:
         have = self._geometry
         if have is not None:
             heads = (g.num_q_heads, g.num_kv_heads, g.head_dim, g.v_head_dim)
-            if heads != (have.num_q_heads, have.num_kv_heads, have.head_dim, have.v_head_dim) or g.num_layers > have.num_layers:
+            if heads != (have.num_q_heads, have.num_kv_heads, have.head_dim, have.v_head_dim) or g.num_layers > have.num_layers \
+                    or g.value_in_key != have.value_in_key:  # fmt: skip
                 raise UnsupportedModelError(
                     f"a recompiled graph's attention ({g.num_q_heads} query / {g.num_kv_heads} KV heads of dim "
                     f"{g.head_dim}/{g.v_head_dim}, {g.num_layers} layers) does not fit the KV pool sized by the first "
@@ -230,6 +244,7 @@ class ModelRunner:
             uses_alibi=any(s.alibi_slopes is not None for s in sites),
             non_causal=any(not s.causal for s in sites),
             v_head_dim=g.v_head_dim if g.v_head_dim != g.head_dim else None,
+            value_in_key=g.value_in_key,
         )
         from ..attn_backends.hybrid import create_attention_backend
 
