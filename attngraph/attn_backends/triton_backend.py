@@ -50,8 +50,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Head dims served: any multiple of 8 up to 256 (the kernels pad to a power of two and mask).
-SUPPORTED_HEAD_DIMS = tuple(range(8, 257, 8))
+#: Head dims served: any multiple of 8 up to 256 (decode splits a dim that is no power of two
+#: into a power of two plus a tail block, extend pads it and masks), and multi-head latent
+#: attention's latent form: keys of 576 (latent 512 + RoPE 64) with values of 512.
+SUPPORTED_HEAD_DIMS = tuple(range(8, 257, 8)) + (512, 576)
 #: Upper bound on decode splits per request (and the deterministic mode's fixed bound).
 DEFAULT_MAX_KV_SPLITS = 32
 #: Stage-1 programs aimed for per SM when choosing ``max_splits`` for a batch (measured on an

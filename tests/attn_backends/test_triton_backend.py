@@ -66,14 +66,17 @@ def _poison_empty():
 
 
 # ----------------------------------------------------------------------------- helpers
-def make_step(prefix_lens, extend_lens, *, hq, hkv, d, page_size, dtype, dv=None, mode=None, num_layers=1, seed=0):
-    """A pool whose prefix slots hold random K/V (every other slot NaN), a batch, and new q/k/v."""
+def make_step(prefix_lens, extend_lens, *, hq, hkv, d, page_size, dtype, dv=None, mode=None, num_layers=1, seed=0,
+              value_in_key=False):  # fmt: skip
+    """A pool whose prefix slots hold random K/V (every other slot NaN), a batch, and new q/k/v.
+
+    ``value_in_key``: MLA's latent pool, the values being the keys' first ``dv`` columns."""
     gen = torch.Generator().manual_seed(seed)
     dv = dv or d
     total = [p + e for p, e in zip(prefix_lens, extend_lens)]
     num_pages = sum(math.ceil(t / page_size) for t in total) + 3
     pool = KVPool(num_layers, hkv, d, num_pages, page_size, dtype, DEVICE, max_requests=len(total) + 2,
-                  max_context_len=max(total) + page_size, v_head_dim=dv)  # fmt: skip
+                  max_context_len=max(total) + page_size, v_head_dim=dv, value_in_key=value_in_key)  # fmt: skip
     for buf in pool.k_buffers + pool.v_buffers:
         buf.fill_(float("nan"))
     # Take a spare row first so request rows are not simply 0..B-1.
@@ -90,12 +93,13 @@ def make_step(prefix_lens, extend_lens, *, hq, hkv, d, page_size, dtype, dv=None
             pos = torch.arange(p)
             slots = (pool.req_to_page_cpu[row, pos // page_size].long() * page_size + pos % page_size).to(DEVICE)
             kflat[slots] = torch.randn(p, hkv, d, generator=gen).to(DEVICE, dtype)
-            vflat[slots] = torch.randn(p, hkv, dv, generator=gen).to(DEVICE, dtype)
+            if not value_in_key:
+                vflat[slots] = torch.randn(p, hkv, dv, generator=gen).to(DEVICE, dtype)
     n = sum(extend_lens)
     batch = ForwardBatch.build(pool, rows, list(prefix_lens), list(extend_lens), torch.zeros(n, dtype=torch.long), mode=mode)
     q = torch.randn(n, hq, d, generator=gen).to(DEVICE, dtype)
     k = torch.randn(n, hkv, d, generator=gen).to(DEVICE, dtype)
-    v = torch.randn(n, hkv, dv, generator=gen).to(DEVICE, dtype)
+    v = k[..., :dv] if value_in_key else torch.randn(n, hkv, dv, generator=gen).to(DEVICE, dtype)
     return pool, batch, q, k, v
 
 
@@ -465,6 +469,43 @@ def test_gpu_alibi_fp32(page_size, bsz):
     extend = [rng.randint(1, min(n, budget)) for n in lens]
     pool, batch, q, k, v = make_step([n - e for n, e in zip(lens, extend)], extend, hq=8, hkv=2, d=64,
                                      page_size=page_size, dtype=torch.float32, seed=bsz + 1)  # fmt: skip
+    run_and_check(TritonBackend(), q, k, v, layer, batch)
+
+
+# ----------------------------------------------------------------------------- MLA's latent pool
+@pytest.mark.parametrize("d,dv,hq", [(40, 32, 20), (288, 256, 20)])  # 288 > 256: query heads in blocks of 16
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_decode_and_extend_over_a_latent_pool_match_reference(d, dv, hq, page_size):
+    """One KV head whose first ``dv`` columns are the values (`KVPool(value_in_key=True)`);
+    head dims that are no power of two run as a power of two plus a tail block."""
+    seq_lens = [3, 29, 41]
+    pool, batch, q, k, v = make_step([n - 1 for n in seq_lens], [1, 1, 1], hq=hq, hkv=1, d=d, dv=dv,
+                                     page_size=page_size, dtype=torch.float32, mode=ForwardMode.DECODE,
+                                     value_in_key=True)  # fmt: skip
+    assert pool.v_buffers[0].data_ptr() == pool.k_buffers[0].data_ptr()
+    run_and_check(TritonBackend(min_split_len=8, max_kv_splits=4), q, k, v, layer_for(hq, 1, d, dv=dv), batch)
+    pool, batch, q, k, v = make_step([0, 7, 12], [9, 3, 18], hq=4, hkv=1, d=d, dv=dv, page_size=page_size,
+                                     dtype=torch.float32, value_in_key=True, seed=3)  # fmt: skip
+    run_and_check(TritonBackend(), q, k, v, layer_for(4, 1, d, dv=dv), batch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("bsz,hq", [(1, 128), (7, 16), (64, 16)])
+def test_gpu_latent_pool_fp32(page_size, bsz, hq):
+    """fp32, lengths to 4096, DeepSeek-V3's latent dims (576 = 512 latent + 64 RoPE, values
+    the first 512): decode and extend against torch_native."""
+    rng = random.Random(page_size * 10 + bsz)
+    lens = [rng.randint(1, 4096) for _ in range(bsz)]
+    lens[0] = 4096
+    layer = layer_for(hq, 1, 576, dv=512)
+    pool, batch, q, k, v = make_step([n - 1 for n in lens], [1] * bsz, hq=hq, hkv=1, d=576, dv=512, page_size=page_size,
+                                     dtype=torch.float32, mode=ForwardMode.DECODE, seed=bsz, value_in_key=True)  # fmt: skip
+    run_and_check(TritonBackend(), q, k, v, layer, batch)
+    budget = max(1, 4096 // bsz)
+    extend = [rng.randint(1, min(n, budget)) for n in lens]
+    pool, batch, q, k, v = make_step([n - e for n, e in zip(lens, extend)], extend, hq=hq, hkv=1, d=576, dv=512,
+                                     page_size=page_size, dtype=torch.float32, seed=bsz + 1, value_in_key=True)  # fmt: skip
     run_and_check(TritonBackend(), q, k, v, layer, batch)
 
 

@@ -24,7 +24,9 @@ GREEDY = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=No
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="tests/conftest.py sets TRITON_INTERPRET=1 without CUDA")
-@pytest.mark.parametrize("arch,impl", [("llama", "sdpa"), ("gpt_oss", "eager"), ("llama4", "sdpa"), ("falcon_alibi", "eager")])
+@pytest.mark.parametrize(
+    "arch,impl", [("llama", "sdpa"), ("gpt_oss", "eager"), ("llama4", "sdpa"), ("falcon_alibi", "eager"), ("deepseek_v3", "sdpa")]
+)
 def test_accelerate_with_triton_on_cpu_matches_hf(caplog, arch, impl):
     from attngraph.attn_backends.triton_ops import interpreter_problem
 

@@ -61,6 +61,18 @@ SHAPES = {
         {},
         "eager",
     ),
+    "deepseek_v3": (  # MLA at DeepSeek-V3's head dims (latent 512 + RoPE 64) with 8 heads; dense MLPs
+        lambda **c: transformers.DeepseekV3Config(
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+            num_hidden_layers=c["num_hidden_layers"], num_attention_heads=c["num_attention_heads"],
+            num_key_value_heads=c["num_attention_heads"], q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64,
+            qk_nope_head_dim=128, v_head_dim=128, first_k_dense_replace=c["num_hidden_layers"], n_routed_experts=4,
+            n_group=1, topk_group=1, max_position_embeddings=c["max_position_embeddings"],
+            initializer_range=c["initializer_range"],
+        ),
+        {},
+        "sdpa",
+    ),
     "mpt": (  # ALiBi from a table of max_seq_len columns, masked_fill mask; eager only
         lambda **c: transformers.MptConfig(
             vocab_size=c["vocab_size"], d_model=c["hidden_size"], n_layers=c["num_hidden_layers"],
@@ -107,7 +119,7 @@ def assert_bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
     "arch,backend",
     [("llama", "flashinfer"), ("llama", "triton"), ("qwen2", "flashinfer"), ("qwen2", "triton"),
      ("gpt_oss", "triton"), ("llama4", "triton"), ("falcon_alibi", "triton"),
-     ("bloom", "triton"), ("mpt", "triton")],  # FlashInfer: no sinks, chunks, ALiBi
+     ("bloom", "triton"), ("mpt", "triton"), ("deepseek_v3", "triton")],  # FlashInfer: no sinks, chunks, ALiBi, latent
 )  # fmt: skip
 def test_accelerated_generate_on_gpu(arch, backend):
     if backend == "flashinfer":

@@ -233,6 +233,9 @@ def extend_blocks(head_dim: int, v_head_dim: int, dtype: torch.dtype, device: to
     if interpreting() or device.type != "cuda":
         return 16, 16, 4, 1  # the CPU tests' short sequences still span several blocks
     dmax = max(head_dim, v_head_dim)
+    if triton.next_power_of_2(dmax) > 256:  # MLA's latent form: 576 (padded to 1024) x 512
+        # small tiles: 32 x 1024 queries + 2 stages of 16 x 1024 K and 16 x 512 V (bf16), ~160 KB
+        return (16, 16, 4, 1) if dtype == torch.float32 else (32, 16, 8, 2)
     if dtype == torch.float32:  # "ieee" dots without tensor cores, twice the shared memory per tile
         return 32, 32, 4, 2
     if dmax <= 64:
