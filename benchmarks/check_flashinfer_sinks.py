@@ -6,7 +6,7 @@ bf16, paged (page size 16), 8 query / 2 KV heads of dim 64?
 
 Records per case: the first call's seconds (the JIT build of the variant), the largest error
 against an fp32 reference, how much the sinks change the output, and the kernel family picked.
-attngraph's FlashInfer backend does not use this wrapper yet (sinks are served by Triton)."""
+attngraph's FlashInfer backend plans its sink layers on this wrapper."""
 import json, math, os, time, traceback
 import torch
 import flashinfer

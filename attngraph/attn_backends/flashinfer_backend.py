@@ -75,9 +75,18 @@ Dense (stateless) form
 ``qo_indptr = arange(B + 1) * Sq``, ``kv_indptr = arange(B + 1) * Sk``; the plan is cached per
 kind and re-done only when ``(B, Sq, Sk, dtype)`` changes. Eager only (it plans on first use).
 
+Attention sinks
+---------------
+Layers with sink logits (GPT-OSS) are planned on ``BatchAttentionWithAttentionSinkWrapper``, a
+variant of the paged prefill wrapper built by FlashInfer's JIT on first use (checked against
+an fp32 reference on the H200: benchmarks/BENCHMARKS.md), for decode (one query per request,
+its own CUDA-graph wrappers), extend (always design (b): a merge of two partial softmaxes
+would count the sink twice) and the dense form (each sequence's keys as one page). ``run``
+takes the ``[Hq]`` float32 sinks and the scale after the paged cache.
+
 Fallbacks to the torch_native reference (logged once each): non-causal attention with a window
-in extend/dense (FlashInfer only has a left window), ``v_head_dim != head_dim`` in decode,
-float32 inputs in the dense form.
+in extend/dense (FlashInfer only has a left window), sinks with a softcap (the sink variant has
+none), ``v_head_dim != head_dim`` in decode, float32 inputs in the dense form.
 """
 
 from __future__ import annotations
@@ -122,6 +131,8 @@ class _Kind:
     causal: bool
     window_left: int
     logit_cap: float
+    #: Per-head sink logits joined to the softmax: planned on FlashInfer's sink wrapper.
+    sinks: bool = False
 
     @classmethod
     def of(cls, layer: AttentionLayer, decode: bool) -> "_Kind":
@@ -130,7 +141,7 @@ class _Kind:
         causal = True if decode else layer.causal
         return cls(
             layer.num_q_heads, layer.num_kv_heads, layer.head_dim, layer.v_head_dim,
-            float(layer.scale), causal, int(layer.window_left), float(layer.logit_cap),
+            float(layer.scale), causal, int(layer.window_left), float(layer.logit_cap), layer.has_sinks,
         )
 
     @property
@@ -209,7 +220,7 @@ class FlashInferBackend(AttentionBackend):
         dense=True,
         # Its paged decode kernels take one head dim for K and V ("auto" then picks Triton).
         distinct_v_head_dim=False,
-        sinks=False,  # no sink-logit input to its paged decode and prefill wrappers as used here
+        sinks=True,  # BatchAttentionWithAttentionSinkWrapper (a JIT-built paged prefill variant)
         alibi=False,  # its ALiBi mode uses its own slopes (no argument takes the model's) and fa2 kernels only
         chunked=False,  # its masks are causal / window only (chunks would need a virtual batch per chunk)
         graph_support={"decode": GraphSupport.FULL, "extend": GraphSupport.PIECEWISE},
@@ -253,7 +264,8 @@ class FlashInferBackend(AttentionBackend):
         self._paged: dict[_Kind, object] = {}
         self._ragged: dict[_Kind, object] = {}
         self._prefix: dict[_Kind, object] = {}
-        self._dense: dict[_Kind, tuple[object, tuple]] = {}  # kind -> (wrapper, planned shape)
+        self._dense: dict[object, tuple[object, tuple]] = {}  # kind (or (kind, "dense")) -> (wrapper, planned shape)
+        self._sink: dict[tuple[_Kind, bool], object] = {}  # (kind, decode) -> sink wrapper (eager steps)
         self._meta: _StepMeta | None = None
         self._reference = None
         self._warned: set[str] = set()
@@ -264,6 +276,7 @@ class FlashInferBackend(AttentionBackend):
         self._g_indices: torch.Tensor | None = None  # [max_bs * max_pages_per_req] int32, lazily
         self._g_int_ws: dict[_Kind, torch.Tensor] = {}
         self._g_decode: dict[int, dict[_Kind, object]] = {}  # bs -> kind -> wrapper
+        self._g_qo_indptr: torch.Tensor | None = None  # [max_bs + 1] int32, sink kinds' decode graphs
         # Piecewise / breakable steps: the step buffers made at capture, refreshed in place.
         self._step_buffers: _StepBuffers | None = None
 
@@ -303,6 +316,7 @@ class FlashInferBackend(AttentionBackend):
         self._graph_max_bs = int(max_bs)
         self._g_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
         self._g_last = torch.ones(max_bs, dtype=torch.int32, device=device)
+        self._g_qo_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
         self._workspace_on(device)
 
     def _graph_buffers(self, batch: ForwardBatch) -> None:
@@ -323,17 +337,24 @@ class FlashInferBackend(AttentionBackend):
                 self._g_indptr, self._g_indices, self._g_last,
             )
 
-    def _graph_decode_wrapper(self, bs: int, kind: _Kind):
+    def _graph_decode_wrapper(self, bs: int, kind: _Kind, dtype: torch.dtype):
         per_bs = self._g_decode.setdefault(bs, {})
         if kind not in per_bs:
             ws = self._workspace
-            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                ws, "NHD", use_cuda_graph=True,
-                use_tensor_cores=self._tensor_cores(kind),
-                paged_kv_indptr_buffer=self._g_indptr[: bs + 1],
-                paged_kv_indices_buffer=self._g_indices,
-                paged_kv_last_page_len_buffer=self._g_last[:bs],
-            )
+            if kind.sinks:  # a prefill-style wrapper: one query per request
+                w = _sink_wrapper(
+                    ws, kind, dtype, use_cuda_graph=True, qo_indptr_buf=self._g_qo_indptr[: bs + 1],
+                    paged_kv_indptr_buf=self._g_indptr[: bs + 1], paged_kv_indices_buf=self._g_indices,
+                    paged_kv_last_page_len_buf=self._g_last[:bs],
+                )
+            else:
+                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    ws, "NHD", use_cuda_graph=True,
+                    use_tensor_cores=self._tensor_cores(kind),
+                    paged_kv_indptr_buffer=self._g_indptr[: bs + 1],
+                    paged_kv_indices_buffer=self._g_indices,
+                    paged_kv_last_page_len_buffer=self._g_last[:bs],
+                )
             # One int workspace (plan info) per kind for all batch sizes: a step replays one
             # batch size and re-plans it first. Kinds need their own: all are planned per step.
             int_ws = self._g_int_ws.get(kind)
@@ -438,7 +459,7 @@ class FlashInferBackend(AttentionBackend):
         """Plan ``kind`` for this step (host work only) and remember the wrapper(s)."""
         if meta.mode is ForwardMode.DECODE:
             planned = self._plan_decode(meta, kind)
-        elif meta.ragged and kind.window_left < 0:
+        elif meta.ragged and kind.window_left < 0 and not kind.sinks:  # a merge would count a sink twice
             planned = self._plan_ragged_merge(meta, kind)
         else:
             planned = self._plan_paged_prefill(meta, kind)
@@ -446,8 +467,15 @@ class FlashInferBackend(AttentionBackend):
         return planned
 
     def _plan_decode(self, meta: _StepMeta, kind: _Kind):
+        if kind.sinks:
+            w = self._graph_decode_wrapper(meta.bs, kind, meta.dtype) if meta.graph else self._sink_for(kind, True, meta.dtype)
+            qo_indptr_h = torch.arange(meta.bs + 1, dtype=torch.int32)  # one query per request
+            self._paged_prefill_plan(
+                w, meta, kind, meta.kv_indptr_h, meta.kv_indices[: meta.total_pages], meta.kv_last_h, True, qo_indptr_h
+            )
+            return w
         if meta.graph:
-            w = self._graph_decode_wrapper(meta.bs, kind)
+            w = self._graph_decode_wrapper(meta.bs, kind, meta.dtype)
         else:
             w = self._decode.get(kind)
             if w is None:
@@ -462,15 +490,27 @@ class FlashInferBackend(AttentionBackend):
         )
         return w
 
-    def _paged_prefill_plan(self, w, meta, kind, indptr_h, indices, last_h, causal) -> None:
+    def _paged_prefill_plan(self, w, meta, kind, indptr_h, indices, last_h, causal, qo_indptr_h=None) -> None:
         w.plan(
-            meta.qo_indptr_h, indptr_h, indices, last_h,
+            meta.qo_indptr_h if qo_indptr_h is None else qo_indptr_h, indptr_h, indices, last_h,
             kind.num_q_heads, kind.num_kv_heads, kind.head_dim, meta.page_size,
             head_dim_vo=kind.v_head_dim, causal=causal, non_blocking=True,
             **kind.plan_kwargs(meta.dtype), **self._split_kwargs(meta.page_size),
         )
 
+    def _sink_for(self, kind: _Kind, decode: bool, dtype: torch.dtype):
+        w = self._sink.get((kind, decode))
+        if w is None:
+            w = self._sink[(kind, decode)] = _sink_wrapper(self._workspace, kind, dtype)
+        return w
+
     def _plan_paged_prefill(self, meta: _StepMeta, kind: _Kind):
+        if kind.sinks:
+            w = self._sink_for(kind, False, meta.dtype)
+            self._paged_prefill_plan(
+                w, meta, kind, meta.kv_indptr_h, meta.kv_indices[: meta.total_pages], meta.kv_last_h, kind.causal
+            )
+            return w
         w = self._paged.get(kind)
         if w is None:
             w = self._paged[kind] = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
@@ -534,17 +574,20 @@ class FlashInferBackend(AttentionBackend):
         if layer.v_head_dim != layer.head_dim:
             self._warn_once("decode with v_head_dim != head_dim")
             return self._ref().forward_decode(q, k, v, layer, batch, save_kv_cache=False)
+        if layer.has_sinks and layer.logit_cap > 0:
+            self._warn_once("attention sinks with a softcap")
+            return self._ref().forward_decode(q, k, v, layer, batch, save_kv_cache=False)
         pool = batch.kv_pool
         w = self._planned(_Kind.of(layer, decode=True), decode=True)
         kv = (pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id])  # NHD pages
-        out = w.run(q.to(pool.dtype).contiguous(), kv)  # [B, Hq, D]
+        out = w.run(q.to(pool.dtype).contiguous(), kv, *_sink_args(layer))  # [B, Hq, D]
         return out.to(q.dtype)
 
     def forward_extend(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch, save_kv_cache: bool = True, out=None):
         if save_kv_cache:
             self.save_kv(layer, batch, k, v)  # (b) reads the new tokens back from the pool
-        if not layer.causal and layer.window_left >= 0:
-            self._warn_once("non-causal attention with a sliding window")
+        if (not layer.causal and layer.window_left >= 0) or (layer.has_sinks and layer.logit_cap > 0):
+            self._warn_once("non-causal attention with a sliding window, or sinks with a softcap")
             return self._ref().forward_extend(q, k, v, layer, batch, save_kv_cache=False)
         pool = batch.kv_pool
         dtype = pool.dtype
@@ -555,7 +598,7 @@ class FlashInferBackend(AttentionBackend):
             out = qc.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))
         if not isinstance(planned, tuple):  # design (b)
             kv = (pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id])
-            planned.run(qc, kv, out=out)
+            planned.run(qc, kv, *_sink_args(layer), out=out)
             return _result(out, given, q.dtype)
         ragged, prefix = planned  # design (a)
         kc, vc = k.to(dtype).contiguous(), v.to(dtype).contiguous()
@@ -574,13 +617,15 @@ class FlashInferBackend(AttentionBackend):
         if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
             self._warn_once(f"dense attention in {q.dtype} on {q.device.type}")
             return self._ref().forward_dense(q, k, v, layer, batch_size)
-        if not layer.causal and layer.window_left >= 0:
-            self._warn_once("non-causal attention with a sliding window")
+        if (not layer.causal and layer.window_left >= 0) or (layer.has_sinks and layer.logit_cap > 0):
+            self._warn_once("non-causal attention with a sliding window, or sinks with a softcap")
             return self._ref().forward_dense(q, k, v, layer, batch_size)
         b = int(batch_size)
         sq, sk = q.shape[0] // b, k.shape[0] // b
         kind = _Kind.of(layer, decode=False)
         shape = (b, sq, sk, q.dtype)
+        if kind.sinks:
+            return self._dense_with_sinks(q, k, v, layer, kind, shape)
         w, planned_shape = self._dense.get(kind, (None, None))
         if w is None:
             w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self._workspace_on(q.device), "NHD")
@@ -594,6 +639,45 @@ class FlashInferBackend(AttentionBackend):
             )
             self._dense[kind] = (w, shape)
         return w.run(q.contiguous(), k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous())
+
+    def _dense_with_sinks(self, q, k, v, layer: AttentionLayer, kind: _Kind, shape: tuple) -> torch.Tensor:
+        """The dense form through the (paged) sink wrapper: each sequence's ``Sk`` keys are one
+        page of ``Sk`` slots (``[B, Sk, Hkv, D]`` is that paged cache, no copy)."""
+        b, sq, sk, dtype = shape
+        key = (kind, "dense")
+        w, planned_shape = self._dense.get(key, (None, None))
+        if w is None:
+            w = _sink_wrapper(self._workspace_on(q.device), kind, dtype)
+        if planned_shape != shape:
+            one = torch.arange(b + 1, dtype=torch.int32)
+            w.plan(
+                one * sq, one, torch.arange(b, dtype=torch.int32, device=q.device), torch.full((b,), sk, dtype=torch.int32),
+                kind.num_q_heads, kind.num_kv_heads, kind.head_dim, sk, head_dim_vo=kind.v_head_dim,
+                causal=kind.causal, non_blocking=True, **kind.plan_kwargs(dtype),
+            )  # fmt: skip
+            self._dense[key] = (w, shape)
+        kv = (k.to(dtype).contiguous().view(b, sk, kind.num_kv_heads, kind.head_dim),
+              v.to(dtype).contiguous().view(b, sk, kind.num_kv_heads, kind.v_head_dim))  # fmt: skip
+        return w.run(q.contiguous(), kv, *_sink_args(layer))
+
+
+def _sink_wrapper(workspace: torch.Tensor, kind: _Kind, dtype: torch.dtype, **graph_buffers):
+    """FlashInfer's attention-sink variant of the paged prefill wrapper for ``kind`` (its
+    kernel is built on first use: about 20-90 s, then cached by FlashInfer)."""
+    return flashinfer.BatchAttentionWithAttentionSinkWrapper(
+        workspace, "NHD", q_data_type=dtype, kv_data_type=dtype, head_dim_qk=kind.head_dim,
+        head_dim_vo=kind.v_head_dim, window_left=kind.window_left, **graph_buffers,
+    )
+
+
+def _sink_args(layer: AttentionLayer) -> tuple:
+    """The sink variant's extra ``run`` arguments: the ``[Hq]`` float32 sink logits and the
+    softmax scale; none for other layers."""
+    if not layer.has_sinks:
+        return ()
+    if layer.sinks is None:
+        raise ValueError(f"layer {layer.layer_id} was compiled with attention sinks but got none")
+    return layer.sinks.float().contiguous(), float(layer.scale)
 
 
 def _result(out: torch.Tensor, given: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

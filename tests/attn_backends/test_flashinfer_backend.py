@@ -305,3 +305,78 @@ def test_dense(causal, sq, sk, window, cap):
     torch.testing.assert_close(out.float(), want, **TOL[BF16])
     out2 = backend.forward_dense(q, k, v, layer, b)  # cached plan
     torch.testing.assert_close(out2, out)
+
+
+def test_attention_sinks_decode_extend_graph_and_dense():
+    """Sink logits through FlashInfer's sink wrapper, against torch_native: eager decode, extend
+    over cached prefixes ("auto" must not take the ragged merge, which would count a sink
+    twice), a captured decode graph replayed with new lengths, and the dense form. Strong sinks
+    (a few heads' sink outweighs its keys) so that a sink dropped or doubled shows."""
+    d, hkv, group, page_size = 64, 2, 4, 16
+    hq = hkv * group
+    gen = torch.Generator().manual_seed(11)
+    sinks = (torch.randn(hq, generator=gen) * 2 + torch.tensor([0.0, 6.0] * (hq // 2))).to("cuda", BF16)
+    layer = AttentionLayer(0, hq, hkv, d, d, 1 / math.sqrt(d), True, -1, 0.0, sinks=sinks)
+    assert layer.has_sinks
+    backend = get_backend(extend_impl="auto")
+    backend.set_layer_kinds([dataclasses.replace(layer, sinks=None)])  # kinds known before tensors
+    for mode, prefix, ext in (("decode", [40, 1000, 3], [1, 1, 1]), ("extend", [0, 300, 17], [33, 9, 200]),
+                              ("extend", [0, 0], [64, 5])):  # fmt: skip
+        fmode = ForwardMode.DECODE if mode == "decode" else ForwardMode.EXTEND
+        step = make_step(gen, dtype=BF16, hq=hq, hkv=hkv, d=d, page_size=page_size, prefix_lens=prefix,
+                         extend_lens=ext, mode=fmode)  # fmt: skip
+        poison_allocator()
+        backend.init_forward_metadata(step.batch)
+        out = backend.forward(step.q, step.k, step.v, layer, step.batch)
+        want = reference(step, dataclasses.replace(layer, sinks=sinks.float()))
+        nosink = reference(step, dataclasses.replace(layer, sinks=None, has_sinks=False))
+        assert (want - nosink).abs().max() > 0.1  # the sinks matter here
+        torch.testing.assert_close(out.float(), want, **TOL[BF16])
+
+    # a captured decode graph, replayed on other lengths
+    bsz, max_len = 4, 500
+    pool = new_pool(dtype=BF16, hkv=hkv, d=d, page_size=page_size, num_tokens=bsz * max_len, max_len=max_len,
+                    max_requests=bsz + 3)  # fmt: skip
+
+    def step_in_pool():
+        seq = torch.randint(2, max_len, (bsz,), generator=gen).tolist()
+        return make_step(gen, dtype=BF16, hq=hq, hkv=hkv, d=d, page_size=page_size, prefix_lens=[n - 1 for n in seq],
+                         extend_lens=[1] * bsz, mode=ForwardMode.DECODE, pool=pool)  # fmt: skip
+
+    static = step_in_pool()
+    backend = get_backend()
+    backend.set_layer_kinds([dataclasses.replace(layer, sinks=None)])
+    backend.init_cuda_graph_state(max_bs=bsz, max_num_tokens=bsz)
+    backend.init_forward_metadata_out_graph(static.batch, in_capture=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        backend.init_forward_metadata_in_graph(static.batch)
+        backend.forward(static.q, static.k, static.v, layer, static.batch)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend.init_forward_metadata_in_graph(static.batch)
+        out = backend.forward(static.q, static.k, static.v, layer, static.batch)
+    for _ in range(2):
+        step = step_in_pool()
+        b = static.batch
+        for name in ("req_pool_indices", "seq_lens", "out_cache_loc", "positions"):
+            getattr(b, name).copy_(getattr(step.batch, name))
+        for name in ("seq_lens_cpu", "extend_prefix_lens_cpu", "extend_seq_lens_cpu"):
+            setattr(b, name, getattr(step.batch, name))
+        static.q.copy_(step.q)
+        static.k.copy_(step.k)
+        static.v.copy_(step.v)
+        backend.init_forward_metadata_out_graph(b, in_capture=False)
+        graph.replay()
+        torch.testing.assert_close(out.float(), reference(step, dataclasses.replace(layer, sinks=sinks.float())), **TOL[BF16])
+
+    # the dense form
+    b, sq, sk = 3, 21, 21
+    q = torch.randn(b * sq, hq, d, generator=gen).to("cuda", BF16)
+    k = torch.randn(b * sk, hkv, d, generator=gen).to("cuda", BF16)
+    v = torch.randn(b * sk, hkv, d, generator=gen).to("cuda", BF16)
+    out = get_backend().forward_dense(q, k, v, layer, b)
+    want = TorchNativeBackend().forward_dense(q.float(), k.float(), v.float(), dataclasses.replace(layer, sinks=sinks.float()), b)
+    torch.testing.assert_close(out.float(), want, **TOL[BF16])
