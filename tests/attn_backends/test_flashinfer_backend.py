@@ -3,7 +3,8 @@
 Only a few FlashInfer kernel variants are used, so that a machine JIT-compiles (or loads from
 FlashInfer's kernel cache) few modules: bf16 head_dim 64/128 plain and with a sliding window,
 softcap (with or without window) at head_dim 128, fp16 head_dim 64/128 plain. Each other
-variant would JIT-compile for a minute or more on first use.
+variant would JIT-compile for a minute or more on first use; the attention-sink test builds
+one (the sink wrapper at head_dim 64 without a window, 20-90 s).
 The sweep is sampled (seeded), not a full product. Poisoning: unused KV slots, the slots of
 the new tokens and freed allocator memory hold values that would visibly change the result if
 a kernel read them or left an output row unwritten.
