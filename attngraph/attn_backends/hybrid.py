@@ -54,6 +54,7 @@ def combine_capabilities(prefill: BackendCapabilities, decode: BackendCapabiliti
         sinks=prefill.sinks and decode.sinks,
         chunked=prefill.chunked and decode.chunked,
         alibi=prefill.alibi and decode.alibi,
+        value_in_key=prefill.value_in_key and decode.value_in_key,
         dense=prefill.dense,
         graph_support={
             "decode": decode.graph_support["decode"],

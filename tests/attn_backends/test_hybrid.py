@@ -145,10 +145,11 @@ def test_capabilities_intersection():
         graph_support={"decode": GraphSupport.NEVER, "extend": GraphSupport.PIECEWISE},
     )
     b = BackendCapabilities(
-        device_types=("cuda",), dtypes=(torch.bfloat16, torch.float16), head_dims=(64, 128),
+        device_types=("cuda",), dtypes=(torch.bfloat16, torch.float16), head_dims=(64, 128), value_in_key=False,
         graph_support={"decode": GraphSupport.FULL, "extend": GraphSupport.NEVER},
     )
     c = combine_capabilities(prefill=a, decode=b)
+    assert not c.value_in_key  # MLA's latent pool needs both
     assert c.device_types == ("cuda",)
     assert c.dtypes == (torch.float16, torch.bfloat16)
     assert c.head_dims == (64, 128) and c.page_sizes == (1, 16)
