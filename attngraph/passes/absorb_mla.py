@@ -1,7 +1,7 @@
 """Pass `absorb_mla`: multi-head latent attention attends over its latent, not over expanded K/V.
 
-DeepSeek V2/V3's attention (and Kimi's, GLM-4.7-Flash's, MiniCPM3's ... in transformers) keeps
-one latent ``c: [B, 1, S, r]`` per token plus a RoPE key ``kr: [B, 1, S, p]`` shared by all
+DeepSeek V2/V3's attention (transformers' ``expand_kv`` form, which other models' code copies)
+keeps one latent ``c: [B, 1, S, r]`` per token plus a RoPE key ``kr: [B, 1, S, p]`` shared by all
 heads, and expands the latent per head with ``kv_b_proj`` (weight ``W: [H * (n + dv), r]``)::
 
     kv = linear(c, W).view(B, S, H, n + dv).transpose(1, 2)     # [B, H, S, n + dv]

@@ -112,6 +112,37 @@ def make_step(gen, *, dtype, hq, hkv, d, page_size, prefix_lens, extend_lens, mo
     return Step(pool, batch, q, k, v, ref_pool)
 
 
+def load_step(static: Step, step: Step) -> None:
+    """Copy ``step``'s batch and q/k/v into the captured ``static`` step's tensors (a replay's
+    inputs), and its host lengths into the static batch."""
+    b = static.batch
+    for name in ("req_pool_indices", "seq_lens", "out_cache_loc", "positions"):
+        getattr(b, name).copy_(getattr(step.batch, name))
+    for name in ("seq_lens_cpu", "extend_prefix_lens_cpu", "extend_seq_lens_cpu"):
+        setattr(b, name, getattr(step.batch, name))
+    static.q.copy_(step.q)
+    static.k.copy_(step.k)
+    static.v.copy_(step.v)
+
+
+def capture_decode(backend, layer: AttentionLayer, static: Step, bsz: int):
+    """A FULL decode graph of ``layer`` on ``static``'s batch (metadata kernel + attention),
+    after one warm-up outside the capture (lazy module state); returns ``(graph, out)``."""
+    backend.init_cuda_graph_state(max_bs=bsz, max_num_tokens=bsz)
+    backend.init_forward_metadata_out_graph(static.batch, in_capture=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        backend.init_forward_metadata_in_graph(static.batch)
+        backend.forward(static.q, static.k, static.v, layer, static.batch)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend.init_forward_metadata_in_graph(static.batch)
+        out = backend.forward(static.q, static.k, static.v, layer, static.batch)
+    return graph, out
+
+
 def reference(step: Step, layer: AttentionLayer, q=None, k=None, v=None):
     q, k, v = (step.q if q is None else q), (step.k if k is None else k), (step.v if v is None else v)
     batch = dataclasses.replace(step.batch, kv_pool=step.ref_pool)
@@ -264,29 +295,11 @@ def test_decode_cuda_graph_replay(group, window, options):
     static = step_in_pool()
     backend = get_backend(**options)
     backend.set_layer_kinds([layer])
-    backend.init_cuda_graph_state(max_bs=bsz, max_num_tokens=bsz)
-    backend.init_forward_metadata_out_graph(static.batch, in_capture=True)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture (lazy module state)
-        backend.init_forward_metadata_in_graph(static.batch)
-        backend.forward(static.q, static.k, static.v, layer, static.batch)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        backend.init_forward_metadata_in_graph(static.batch)
-        out = backend.forward(static.q, static.k, static.v, layer, static.batch)
+    graph, out = capture_decode(backend, layer, static, bsz)
     for _ in range(3):
         step = step_in_pool()  # same pool tensors, new layout and contents
-        b = static.batch
-        for name in ("req_pool_indices", "seq_lens", "out_cache_loc", "positions"):
-            getattr(b, name).copy_(getattr(step.batch, name))
-        for name in ("seq_lens_cpu", "extend_prefix_lens_cpu", "extend_seq_lens_cpu"):
-            setattr(b, name, getattr(step.batch, name))
-        static.q.copy_(step.q)
-        static.k.copy_(step.k)
-        static.v.copy_(step.v)
-        backend.init_forward_metadata_out_graph(b, in_capture=False)
+        load_step(static, step)
+        backend.init_forward_metadata_out_graph(static.batch, in_capture=False)
         graph.replay()
         torch.testing.assert_close(out.float(), reference(step, layer), **TOL[BF16])
 
@@ -347,29 +360,11 @@ def test_attention_sinks_decode_extend_graph_and_dense():
     static = step_in_pool()
     backend = get_backend()
     backend.set_layer_kinds([dataclasses.replace(layer, sinks=None)])
-    backend.init_cuda_graph_state(max_bs=bsz, max_num_tokens=bsz)
-    backend.init_forward_metadata_out_graph(static.batch, in_capture=True)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        backend.init_forward_metadata_in_graph(static.batch)
-        backend.forward(static.q, static.k, static.v, layer, static.batch)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        backend.init_forward_metadata_in_graph(static.batch)
-        out = backend.forward(static.q, static.k, static.v, layer, static.batch)
+    graph, out = capture_decode(backend, layer, static, bsz)
     for _ in range(2):
         step = step_in_pool()
-        b = static.batch
-        for name in ("req_pool_indices", "seq_lens", "out_cache_loc", "positions"):
-            getattr(b, name).copy_(getattr(step.batch, name))
-        for name in ("seq_lens_cpu", "extend_prefix_lens_cpu", "extend_seq_lens_cpu"):
-            setattr(b, name, getattr(step.batch, name))
-        static.q.copy_(step.q)
-        static.k.copy_(step.k)
-        static.v.copy_(step.v)
-        backend.init_forward_metadata_out_graph(b, in_capture=False)
+        load_step(static, step)
+        backend.init_forward_metadata_out_graph(static.batch, in_capture=False)
         graph.replay()
         torch.testing.assert_close(out.float(), reference(step, dataclasses.replace(layer, sinks=sinks.float())), **TOL[BF16])
 
