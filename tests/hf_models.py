@@ -107,11 +107,24 @@ ARCHS: dict[str, tuple[str, dict, tuple[str, ...]]] = {
     "cohere": ("CohereConfig", dict(num_key_value_heads=2, use_qk_norm=True, logit_scale=0.5), BOTH),
     "starcoder2": ("Starcoder2Config", dict(num_key_value_heads=2, sliding_window=8, bos_token_id=1, eos_token_id=2), BOTH),
     "smollm3": ("SmolLM3Config", dict(num_key_value_heads=2, no_rope_layer_interval=2, pad_token_id=0), BOTH),  # layer 1: no RoPE
-    "deepseek_v3": (  # MLA in its MHA form: keys of 16 + 8 (RoPE part), values of 16; layer 1 MoE
+    # MLA: latent 32 + RoPE 8 (the paged pool's one KV head of 40); per head nope 16, values 16
+    "deepseek_v3": (  # layer 1 MoE, interleaved RoPE
         "DeepseekV3Config",
         dict(num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
              v_head_dim=16, n_routed_experts=4, n_group=1, topk_group=1, first_k_dense_replace=1, bos_token_id=1,
              eos_token_id=2, **MOE),
+        BOTH,
+    ),
+    "deepseek_v2": (  # its own modeling code, dense MLPs
+        "DeepseekV2Config",
+        dict(num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+             v_head_dim=16, n_routed_experts=4, n_group=1, topk_group=1, first_k_dense_replace=2, **MOE),
+        BOTH,
+    ),
+    "minicpm3": (  # MLA with a q_lora path (q_a -> norm -> q_b)
+        "MiniCPM3Config",
+        dict(num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+             v_head_dim=16),
         BOTH,
     ),
     "llama4": (  # chunked local layers (RoPE) and a global NoPE layer; dense MLPs (its MoE and
