@@ -96,6 +96,9 @@ def absorb_mla(gm: fx.GraphModule, sites: list[AttentionSite]) -> list[Attention
         except _NoMatch as exc:
             logger.debug("absorb_mla: %s stays in MHA form: %s", site.name, exc)
             continue
+        except (AttributeError, IndexError, TypeError, ValueError) as exc:  # a shape of graph not foreseen
+            logger.debug("absorb_mla: %s stays in MHA form: %s: %s", site.name, type(exc).__name__, exc)
+            continue
         _rewrite(gm.graph, site, match)
         done.append(site)
     if done:  # the expansion, the key buffer and the old op are dead now: `cleanup` removes them
@@ -110,6 +113,13 @@ def _shape(node: Any) -> tuple:
     if not isinstance(val, torch.Tensor):
         raise _NoMatch(f"{getattr(node, 'name', node)} has no traced tensor value")
     return tuple(val.shape)
+
+
+def _shape4(node: Any) -> tuple:
+    shape = _shape(node)
+    if len(shape) != 4:
+        raise _NoMatch(f"{node.name} is {len(shape)}-D, not [B, H, S, D]")
+    return shape
 
 
 def _dtype(node: fx.Node) -> torch.dtype:
@@ -160,7 +170,7 @@ def _match(site: AttentionSite, op: fx.Node, order: dict[fx.Node, int]) -> _Matc
     # The key buffer: new_empty, written by two copies into [0, n) and [n, D), read by the op.
     if not fu.is_op(key, {"new_empty"}):
         raise _NoMatch("the key is not a buffer filled by copies")
-    b, heads, s, d = _shape(key)
+    b, heads, s, d = _shape4(key)
     slices, copies = {}, []
     for user in key.users:
         if user is op.args[1].args[0]:
@@ -206,7 +216,7 @@ def _match(site: AttentionSite, op: fx.Node, order: dict[fx.Node, int]) -> _Matc
     latent, weight = lin.args[0], lin.args[1]
     if not (isinstance(weight, fx.Node) and weight.op == "placeholder"):
         raise _NoMatch("kv_b's weight is not a graph input")
-    lb, one, ls, r = _shape(latent)
+    lb, one, ls, r = _shape4(latent)
     if not (one == 1 and _same_shape(_shape(lin), (b, 1, s, heads * (nope + dv))) and _same_shape(
             _shape(per_token), (b, s, heads, nope + dv)) and _same_shape(_shape(weight), (heads * (nope + dv), r))
             and _same(lb, b) and _same(ls, s)):  # fmt: skip
