@@ -37,6 +37,7 @@ from .decode_attention import (
     check_slopes,
     chunk_arg,
     dot_options,
+    head_dim_blocks,
     interpreting,
     window_arg,
 )
@@ -50,10 +51,10 @@ _LOG2E = tl.constexpr(1.4426950408889634)  # globals read by @jit code must be c
 def _attend(
     q, m_i, l_i, acc, K, V, ReqToPage, row, kv_base, kvh, q_pos, q_lo, start, end,
     scale, logit_cap, window, slope, stride_ks, stride_kh, stride_vs, stride_vh, stride_rtp,
-    offs_d, mask_d, offs_dv, mask_dv,
+    offs_d, mask_d, offs_dv, mask_dv, q_tail, offs_dt, mask_dt,
     MASKED: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CAP: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_ALIBI: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_TAIL: tl.constexpr,
 ):  # fmt: skip
     """Online-softmax update of ``(m_i, l_i, acc)`` (``[BLOCK_M]``, ``[BLOCK_M]``,
     ``[BLOCK_M, BLOCK_DV]``) with the keys ``[start, end)``.
@@ -61,7 +62,8 @@ def _attend(
     ``MASKED=False`` is for key ranges every query of the block may fully see (``end - start`` a
     multiple of ``BLOCK_N``): no bounds, causal or window masks there. ``q_lo``: ``[BLOCK_M]``
     the first key each query may see (its window's or its chunk's start). ``slope``: the
-    head's ALiBi slope in log2 units (read when ``HAS_ALIBI``).
+    head's ALiBi slope in log2 units (read when ``HAS_ALIBI``). ``HAS_TAIL``: the head dims
+    ``offs_dt`` past ``BLOCK_D`` (``q_tail``: the queries' part there) join the scores.
     """
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
@@ -77,6 +79,10 @@ def _attend(
         kt = tl.load(K + slot[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
                      mask=mask_d[:, None] & mask_n[None, :], other=0.0)  # fmt: skip  # [BLOCK_D, BLOCK_N]
         s = _dot(q, kt.to(q.dtype), UPCAST, PRECISION)  # [BLOCK_M, BLOCK_N]
+        if HAS_TAIL:
+            kt_tail = tl.load(K + slot[None, :] * stride_ks + kvh * stride_kh + offs_dt[:, None],
+                              mask=mask_dt[:, None] & mask_n[None, :], other=0.0)  # fmt: skip  # [BLOCK_DT, BLOCK_N]
+            s += _dot(q_tail, kt_tail.to(q.dtype), UPCAST, PRECISION)
         if HAS_CAP:
             s = _softcap(s * scale, logit_cap) * _LOG2E
         else:
@@ -112,7 +118,7 @@ def _extend_kernel(
     PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, PACKED_STEPS: tl.constexpr, HAS_SINKS: tl.constexpr,
-    HAS_ALIBI: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, BLOCK_DT: tl.constexpr, HAS_TAIL: tl.constexpr,
 ):  # fmt: skip
     # Grid axis 0 is the query head (the heads of one KV head run side by side and share its
     # K/V in L2); axis 1 runs the query blocks last first: under a causal mask the last blocks
@@ -163,6 +169,14 @@ def _extend_kernel(
     tok = (q_start + offs_m).to(tl.int64)  # [BLOCK_M] rows of q / out
     q = tl.load(Q + tok[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
                 mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # fmt: skip  # [BLOCK_M, BLOCK_D]
+    # MLA's latent form: head dims [BLOCK_D, HEAD_DIM) (the RoPE part) in a tail block
+    offs_dt = BLOCK_D + tl.arange(0, BLOCK_DT)
+    mask_dt = offs_dt < HEAD_DIM
+    if HAS_TAIL:
+        q_tail = tl.load(Q + tok[:, None] * stride_qt + h * stride_qh + offs_dt[None, :],
+                         mask=mask_m[:, None] & mask_dt[None, :], other=0.0)  # fmt: skip  # [BLOCK_M, BLOCK_DT]
+    else:
+        q_tail = q
 
     # Keys [lo, hi): what any query of the block may see. Inside it, [mid_lo, mid_hi) is what
     # every query of the block sees in full (whole key blocks): that part skips the masks.
@@ -191,20 +205,20 @@ def _extend_kernel(
     m_i, l_i, acc = _attend(
         q, m_i, l_i, acc, K, V, ReqToPage, row, kv_base, kvh, q_pos, q_lo, mid_lo, mid_hi,
         scale, logit_cap, window, slope, stride_ks, stride_kh, stride_vs, stride_vh, stride_rtp,
-        offs_d, mask_d, offs_dv, mask_dv,
-        False, PAGED, CAUSAL, HAS_CAP, PAGE_SIZE, BLOCK_N, UPCAST, PRECISION, HAS_ALIBI,
+        offs_d, mask_d, offs_dv, mask_dv, q_tail, offs_dt, mask_dt,
+        False, PAGED, CAUSAL, HAS_CAP, PAGE_SIZE, BLOCK_N, UPCAST, PRECISION, HAS_ALIBI, HAS_TAIL,
     )  # fmt: skip
     m_i, l_i, acc = _attend(
         q, m_i, l_i, acc, K, V, ReqToPage, row, kv_base, kvh, q_pos, q_lo, lo, mid_lo,
         scale, logit_cap, window, slope, stride_ks, stride_kh, stride_vs, stride_vh, stride_rtp,
-        offs_d, mask_d, offs_dv, mask_dv,
-        True, PAGED, CAUSAL, HAS_CAP, PAGE_SIZE, BLOCK_N, UPCAST, PRECISION, HAS_ALIBI,
+        offs_d, mask_d, offs_dv, mask_dv, q_tail, offs_dt, mask_dt,
+        True, PAGED, CAUSAL, HAS_CAP, PAGE_SIZE, BLOCK_N, UPCAST, PRECISION, HAS_ALIBI, HAS_TAIL,
     )  # fmt: skip
     m_i, l_i, acc = _attend(
         q, m_i, l_i, acc, K, V, ReqToPage, row, kv_base, kvh, q_pos, q_lo, mid_hi, hi,
         scale, logit_cap, window, slope, stride_ks, stride_kh, stride_vs, stride_vh, stride_rtp,
-        offs_d, mask_d, offs_dv, mask_dv,
-        True, PAGED, CAUSAL, HAS_CAP, PAGE_SIZE, BLOCK_N, UPCAST, PRECISION, HAS_ALIBI,
+        offs_d, mask_d, offs_dv, mask_dv, q_tail, offs_dt, mask_dt,
+        True, PAGED, CAUSAL, HAS_CAP, PAGE_SIZE, BLOCK_N, UPCAST, PRECISION, HAS_ALIBI, HAS_TAIL,
     )  # fmt: skip
 
     if HAS_SINKS:  # the head's sink logit joins the denominator only (it has no value)
@@ -233,8 +247,8 @@ def extend_blocks(head_dim: int, v_head_dim: int, dtype: torch.dtype, device: to
     if interpreting() or device.type != "cuda":
         return 16, 16, 4, 1  # the CPU tests' short sequences still span several blocks
     dmax = max(head_dim, v_head_dim)
-    if triton.next_power_of_2(dmax) > 256:  # MLA's latent form: 576 (padded to 1024) x 512
-        # small tiles: 32 x 1024 queries + 2 stages of 16 x 1024 K and 16 x 512 V (bf16), ~160 KB
+    if triton.next_power_of_2(dmax) > 256:  # MLA's latent form: 576 (512 + a tail of 64) x 512
+        # small tiles: 32 x 576 queries + 2 stages of 16 x 576 K and 16 x 512 V (bf16), ~110 KB
         return (16, 16, 4, 1) if dtype == torch.float32 else (32, 16, 8, 2)
     if dtype == torch.float32:  # "ieee" dots without tensor cores, twice the shared memory per tile
         return 32, 32, 4, 2
@@ -292,6 +306,9 @@ def _launch(q, k, v, out, req_to_page, req_pool_indices, seq_lens, qo_indptr, gr
         check_last_dim_contiguous(name, x)
     if t == 0 or bsz == 0 or grid_m == 0:
         return out
+    # Head dims above 256 (MLA's latent + RoPE, 576) as a power of two plus a tail block, not
+    # padded to the next power (1024); smaller ones keep the padded block their tiles were tuned with.
+    block_d, block_dt = head_dim_blocks(d) if d > 256 else (triton.next_power_of_2(d), 0)
     block_m, block_n, num_warps, num_stages = extend_blocks(d, dv, q.dtype, q.device)
     block_m, num_warps = _fill_the_gpu(block_m, num_warps, t, hq, q.device)
     upcast, precision = dot_options(q.dtype)
@@ -310,10 +327,10 @@ def _launch(q, k, v, out, req_to_page, req_pool_indices, seq_lens, qo_indptr, gr
         out.stride(0), out.stride(1), req_to_page.stride(0),
         GROUP=hq // hkv, PAGE_SIZE=page_size, HEAD_DIM=d, V_HEAD_DIM=dv,
         PAGED=paged, CAUSAL=bool(causal), HAS_CAP=logit_cap > 0,
-        BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=triton.next_power_of_2(dv),
         UPCAST=upcast, PRECISION=precision, PACKED_STEPS=steps, HAS_SINKS=sinks is not None,
-        HAS_ALIBI=alibi_slopes is not None, num_warps=num_warps, num_stages=num_stages,
+        HAS_ALIBI=alibi_slopes is not None, BLOCK_DT=max(block_dt, 16), HAS_TAIL=block_dt > 0,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
 
