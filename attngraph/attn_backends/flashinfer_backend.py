@@ -102,6 +102,7 @@ import torch
 from ..errors import CaptureError
 from ..forward_batch import ForwardBatch, ForwardMode
 from .base import AttentionBackend, AttentionLayer, BackendCapabilities, GraphSupport
+from .triton_ops.decode_attention import check_sinks
 from .triton_ops.paged_metadata import build_paged_kv_metadata, host_paged_kv_lengths
 
 logger = logging.getLogger(__name__)
@@ -569,6 +570,7 @@ class FlashInferBackend(AttentionBackend):
             logger.warning("flashinfer backend: %s; using the torch_native reference for it", what)
 
     def forward_decode(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch, save_kv_cache: bool = True):
+        sink_args = _sink_args(layer, q)  # checked before anything is written
         if save_kv_cache:
             self.save_kv(layer, batch, k, v)
         if layer.v_head_dim != layer.head_dim:
@@ -580,10 +582,11 @@ class FlashInferBackend(AttentionBackend):
         pool = batch.kv_pool
         w = self._planned(_Kind.of(layer, decode=True), decode=True)
         kv = (pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id])  # NHD pages
-        out = w.run(q.to(pool.dtype).contiguous(), kv, *_sink_args(layer))  # [B, Hq, D]
+        out = w.run(q.to(pool.dtype).contiguous(), kv, *sink_args)  # [B, Hq, D]
         return out.to(q.dtype)
 
     def forward_extend(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch, save_kv_cache: bool = True, out=None):
+        sink_args = _sink_args(layer, q)  # checked before anything is written
         if save_kv_cache:
             self.save_kv(layer, batch, k, v)  # (b) reads the new tokens back from the pool
         if (not layer.causal and layer.window_left >= 0) or (layer.has_sinks and layer.logit_cap > 0):
@@ -598,7 +601,7 @@ class FlashInferBackend(AttentionBackend):
             out = qc.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))
         if not isinstance(planned, tuple):  # design (b)
             kv = (pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id])
-            planned.run(qc, kv, *_sink_args(layer), out=out)
+            planned.run(qc, kv, *sink_args, out=out)
             return _result(out, given, q.dtype)
         ragged, prefix = planned  # design (a)
         kc, vc = k.to(dtype).contiguous(), v.to(dtype).contiguous()
@@ -658,7 +661,7 @@ class FlashInferBackend(AttentionBackend):
             self._dense[key] = (w, shape)
         kv = (k.to(dtype).contiguous().view(b, sk, kind.num_kv_heads, kind.head_dim),
               v.to(dtype).contiguous().view(b, sk, kind.num_kv_heads, kind.v_head_dim))  # fmt: skip
-        return w.run(q.contiguous(), kv, *_sink_args(layer))
+        return w.run(q.contiguous(), kv, *_sink_args(layer, q))
 
 
 def _sink_wrapper(workspace: torch.Tensor, kind: _Kind, dtype: torch.dtype, **graph_buffers):
@@ -670,14 +673,15 @@ def _sink_wrapper(workspace: torch.Tensor, kind: _Kind, dtype: torch.dtype, **gr
     )
 
 
-def _sink_args(layer: AttentionLayer) -> tuple:
-    """The sink variant's extra ``run`` arguments: the ``[Hq]`` float32 sink logits and the
-    softmax scale; none for other layers."""
+def _sink_args(layer: AttentionLayer, q: torch.Tensor) -> tuple:
+    """The sink variant's extra ``run`` arguments: the ``[Hq]`` float32 sink logits (on ``q``'s
+    device, else `InputError`) and the softmax scale; none for other layers."""
     if not layer.has_sinks:
         return ()
     if layer.sinks is None:
         raise ValueError(f"layer {layer.layer_id} was compiled with attention sinks but got none")
-    return layer.sinks.float().contiguous(), float(layer.scale)
+    sinks = check_sinks(layer.sinks, layer.num_q_heads, q)  # InputError: not [Hq] on q's device
+    return sinks.float().contiguous(), float(layer.scale)
 
 
 def _result(out: torch.Tensor, given: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

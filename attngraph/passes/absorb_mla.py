@@ -60,6 +60,7 @@ class _NoMatch(Exception):
 @dataclass
 class _Match:
     op: fx.Node  # the lowered attention op
+    query: fx.Node  # cat((q_nope, q_rot), -1): [B, H, S, n + p]
     q_nope: fx.Node  # [B, H, S, n]
     q_rot: fx.Node  # [B, H, S, p]
     latent: fx.Node  # c: [B, 1, S, r]
@@ -248,7 +249,7 @@ def _match(site: AttentionSite, op: fx.Node, order: dict[fx.Node, int]) -> _Matc
     written = fu.first_write(fu.aliases([q_nope, q_rot, latent, rope_key, weight]), exclude=copies)
     if written is not None:
         raise _NoMatch(f"{written.name} writes in place to a tensor the latent form reads")
-    return _Match(op, q_nope, q_rot, latent, rope_key, weight, copies, heads, nope, rope, r, dv)
+    return _Match(op, q, q_nope, q_rot, latent, rope_key, weight, copies, heads, nope, rope, r, dv)
 
 
 # ----------------------------------------------------------------------------- rewriting
@@ -278,6 +279,11 @@ def _rewrite(graph: fx.Graph, site: AttentionSite, m: _Match) -> None:
     _fake_value(k_new, m.q_nope, (b, 1, s, r + p))
     op.replace_all_uses_with(result)
     graph.erase_node(op)
+    # lower_attention read the batch and length off the old query (``q.size(0)``, ``q.size(2)``);
+    # q_nope has them too, and the old concatenation then goes with the rest of the MHA form.
+    for user in list(m.query.users):
+        if user.op == "call_method" and user.target == "size" and user.args[1:] in ((0,), (2,)):
+            user.replace_input_with(m.query, m.q_nope)
     for node in m.copies:  # copy_, then its slice: the key buffer loses its last readers
         graph.erase_node(node)
     site.q, site.k, site.v = q_new, k_new, m.latent

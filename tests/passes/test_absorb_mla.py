@@ -94,6 +94,8 @@ def test_latent_attention_is_absorbed_with_the_same_output():
     assert "mla latent=16+rope=4" in site.describe()
     assert kv_b_linears(gm) == 0  # the per-head expansion is gone
     assert not any(n.op == "call_method" and n.target in ("copy_", "new_empty") for n in gm.graph.nodes)
+    cats = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.cat]
+    assert len(cats) == 2 and all(n in (site.q, site.k) for n in cats)  # the MHA-form query is gone too
     with torch.no_grad():
         got = gm(*inputs)
     torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
