@@ -83,6 +83,7 @@ class AttnGraphBackend:
         device_type = _device_type(sites, example_inputs)
         if self.mode == "paged":
             gm, extra = self._fuse_linears(gm, example_inputs)
+            fu.fill_example_values(gm)  # the passes' nodes: else AOTAutograd's cache refuses the graph
             fakes = self.fused_linears[-1].extra_fakes if extra else []
             inputs = list(example_inputs) + (fakes if len(fakes) == len(extra) else extra)
             if self.compile_hook is not None:
@@ -94,6 +95,7 @@ class AttnGraphBackend:
             if not extra:
                 return compiled
             return lambda *args: compiled(*args, *extra)  # the fused weights follow Dynamo's inputs
+        fu.fill_example_values(gm)
         compiled = compile_graph(gm, example_inputs, self.config.resolved_piece_compiler(device_type))
         backend = self._dense_backend(sites, device_type)
 

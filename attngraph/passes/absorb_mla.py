@@ -293,12 +293,13 @@ def _rewrite(graph: fx.Graph, site: AttentionSite, m: _Match) -> None:
 
 
 def _fake_value(node: fx.Node, like: fx.Node, shape: tuple) -> None:
-    """Set ``node``'s ``example_value``: a contiguous tensor of ``shape`` in ``like``'s fake mode."""
-    from torch._guards import detect_fake_mode
+    """Set ``node``'s ``example_value``: a contiguous tensor of ``shape`` in ``like``'s fake mode
+    (its own, not the active one: Dynamo gives its backend a fresh mode)."""
+    from torch._subclasses.fake_tensor import FakeTensor
 
     ref = fu.example_value(like)
-    mode = detect_fake_mode([ref])
-    if mode is None:
+    if not isinstance(ref, FakeTensor):
         return
+    mode = ref.fake_mode
     with mode:
         node.meta["example_value"] = torch.empty(shape, dtype=ref.dtype, device=ref.device)

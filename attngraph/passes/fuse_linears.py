@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from . import fx_utils as fu
+
 logger = logging.getLogger(__name__)
 
 LINEAR_TARGETS = (torch._C._nn.linear, torch.nn.functional.linear)
@@ -116,6 +118,7 @@ def fuse_linears(gm: fx.GraphModule, example_inputs: list[Any]) -> FuseResult:
             by_input.setdefault(parts[0], []).append(node)
     last_placeholder = placeholders[-1] if placeholders else None
     fake_mode = _fake_mode(placeholders)
+    graph_mode = fu.graph_fake_mode(gm.graph)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}  # of the linears, which stay put until fused
     for x, members in by_input.items():
         if len(members) < 2:
@@ -147,9 +150,10 @@ def fuse_linears(gm: fx.GraphModule, example_inputs: list[Any]) -> FuseResult:
         for k, t in enumerate(new_inputs):
             with gm.graph.inserting_after(last_placeholder):
                 ph = gm.graph.placeholder(f"fused_linear_{len(result.groups)}_{'weight' if k == 0 else 'bias'}")
-            if fake_mode is not None:
-                ph.meta["example_value"] = fake_mode.from_tensor(t, static_shapes=True)
-                result.extra_fakes.append(ph.meta["example_value"])
+            if fake_mode is not None:  # the compile's input; the node's value in the graph's own mode
+                result.extra_fakes.append(fake_mode.from_tensor(t, static_shapes=True))
+                own = graph_mode if graph_mode is not None else fake_mode
+                ph.meta["example_value"] = own.from_tensor(t, static_shapes=True)
             last_placeholder = ph
             nodes.append(ph)
         first = min(members, key=order.__getitem__)

@@ -93,6 +93,69 @@ def example_value(node: Any) -> Any:
     return None
 
 
+
+def graph_fake_mode(graph: fx.Graph):
+    """The fake mode of the graph's own example values (Dynamo's tracing mode), or None.
+
+    Not the active one: Dynamo hands its backend a tracing context with a fresh fake mode, while
+    the nodes keep the values of the mode they were traced in."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for n in graph.nodes:
+        if n.op != "placeholder":
+            break
+        value = n.meta.get("example_value")
+        if isinstance(value, FakeTensor):
+            return value.fake_mode
+    return None
+
+
+def fill_example_values(gm: fx.GraphModule) -> int:
+    """Give every call node without one an ``example_value``, computed on its inputs' fake values
+    in the graph's fake mode; returns how many were set.
+
+    Dynamo's nodes all carry one; the nodes the passes add do not, and AOTAutograd's cache
+    refuses a graph with a method call on a node without one (a compile in a later process then
+    re-traces every graph instead of loading it). A node whose value cannot be computed so (an
+    input without a fake value, an op that fails on fakes) is left as it is.
+    """
+    mode = graph_fake_mode(gm.graph)
+    if mode is None:
+        return 0
+    from torch._dispatch.python import enable_python_dispatcher
+
+    missing = object()
+    filled = 0
+    with mode, enable_python_dispatcher():  # symbolic sizes need the Python dispatcher's decompositions
+        for node in gm.graph.nodes:
+            if node.op not in ("call_function", "call_method") or "example_value" in node.meta:
+                continue
+            args = fx.node.map_arg(node.args, lambda n: n.meta.get("example_value", n.meta.get("val", missing)))
+            kwargs = fx.node.map_arg(node.kwargs, lambda n: n.meta.get("example_value", n.meta.get("val", missing)))
+            if any(a is missing for a in _flat((args, kwargs))):
+                continue
+            try:
+                if node.op == "call_method":
+                    value = getattr(args[0], node.target)(*args[1:], **kwargs)
+                else:
+                    value = node.target(*args, **kwargs)
+            except Exception:  # noqa: BLE001 - a value the fakes cannot give stays unset
+                continue
+            node.meta["example_value"] = value
+            filled += 1
+    return filled
+
+
+def _flat(x: Any) -> Iterable[Any]:
+    if isinstance(x, (tuple, list)):
+        for y in x:
+            yield from _flat(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _flat(y)
+    else:
+        yield x
+
 # --------------------------------------------------------------------------- aliasing and writes
 # A Dynamo graph is not functional: ``s.div_(c)``, ``mask[..., j] = 0`` or ``k.mul_(2)`` change a
 # tensor that other nodes read, and a view (``m.T``, ``torch.diagonal(m)``, ``m.data``) lets a
