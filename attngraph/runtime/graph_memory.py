@@ -49,15 +49,14 @@ def capture_step(step: Callable[[], torch.Tensor], stream: torch.cuda.Stream, me
     """Record ``step()`` as a CUDA graph on ``stream`` into ``mempool``; returns the graph and
     a non-owning view of its output.
 
-    ``step`` runs twice on ``stream`` first, outside the capture: kernels are compiled and
+    ``step`` runs once on ``stream`` first, outside the capture: kernels are compiled and
     autotuned for the size, and lazily created state (cuBLAS's workspace, which belongs to a
     stream, Triton's launchers) exists before recording. The runners of one model share one
     ``stream``: every stream that runs a GEMM keeps a cuBLAS workspace (32 MiB on Hopper).
     """
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
+        step()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=mempool, stream=stream):
