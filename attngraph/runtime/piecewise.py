@@ -214,23 +214,34 @@ def build_piecewise(
     compiled: dict[str, Callable] = {}
     capturable: dict[str, bool] = {}
     by_structure: dict[tuple, Callable] = {}
+    outputs_like: dict[tuple, Callable[[], Any] | None] = {}  # structure key -> maker of its fake outputs
 
     class _CompilePieces(fx.Interpreter):
         """Runs the split module on fake inputs; each piece is compiled with the fake
         arguments it receives (their symbolic token count included)."""
 
         def call_module(self, target: str, args: Any, kwargs: Any) -> Any:
-            out = super().call_module(target, args, kwargs)
             capturable[target] = free_symbols(args) <= token_symbols
-            if kinds[target] in (STATIC, ROWS):
-                sub = getattr(module, target)
-                key = structure_key(sub, args)
-                fn = by_structure.get(key) if key is not None else None
-                if fn is None:
-                    fn = compile_graph(sub, list(args), piece_compiler)
-                    if key is not None:
-                        by_structure[key] = fn
-                compiled[target] = fn
+            if kinds[target] not in (STATIC, ROWS):
+                return super().call_module(target, args, kwargs)
+            sub = getattr(module, target)
+            key = structure_key(sub, args)
+            make = outputs_like.get(key) if key is not None else None
+            if make is not None:
+                # The same function of inputs of the same sizes (every decoder layer after the
+                # first): its outputs are fresh tensors of the sizes the first one gave, so the
+                # fake run need not go through its ops again.
+                out = make()
+            else:
+                out = super().call_module(target, args, kwargs)
+                if key is not None and key not in outputs_like:
+                    outputs_like[key] = _fresh_like(out, args)
+            fn = by_structure.get(key) if key is not None else None
+            if fn is None:
+                fn = compile_graph(sub, list(args), piece_compiler)
+                if key is not None:
+                    by_structure[key] = fn
+            compiled[target] = fn
             return out
 
     fake_mode = torch._guards.detect_fake_mode(example_inputs) or torch._guards.detect_fake_mode()
@@ -274,6 +285,33 @@ def build_piecewise(
         len(split.of_kind(ROWS)),
     )
     return module
+
+
+def _fresh_like(out: Any, args: Any) -> Callable[[], Any] | None:
+    """A maker of new fake outputs like ``out`` (a piece's outputs on ``args``): tensors of the
+    same sizes, strides and dtypes, each on a storage of its own; other values as they are.
+
+    None where that is not what the piece gives: an output that shares its storage with an
+    input or another output, or starts it past 0 (a view: its base would be lost)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    leaves, spec = tree_flatten(out)
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    seen = {StorageWeakRef(a.untyped_storage()) for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)}
+    for t in tensors:
+        ref = StorageWeakRef(t.untyped_storage())
+        offset = t.storage_offset()
+        if ref in seen or not (isinstance(offset, int) and offset == 0):
+            return None
+        seen.add(ref)
+    meta = [(tuple(x.shape), tuple(x.stride()), x.dtype, x.device) if isinstance(x, torch.Tensor) else None for x in leaves]
+
+    def make() -> Any:
+        new = [torch.empty_strided(m[0], m[1], dtype=m[2], device=m[3]) if m is not None else x for x, m in zip(leaves, meta)]
+        return tree_unflatten(new, spec)
+
+    return make
 
 
 def free_symbols(values: Any) -> set:

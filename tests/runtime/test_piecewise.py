@@ -5,6 +5,7 @@ either ``none`` or a ConfigError.
 The captured graphs themselves run only on CUDA: `test_piecewise_gpu.py`.
 """
 
+import copy
 import functools
 
 import pytest
@@ -89,6 +90,57 @@ def test_unknown_mode_and_bad_token_sizes_are_config_errors():
     with pytest.raises(ConfigError, match="cuda_graph_num_tokens"):
         CompileConfig(cuda_graph_num_tokens=(8, 0))
     assert CompileConfig(cuda_graph_num_tokens=(64, 8, 8)).cuda_graph_num_tokens == (8, 64)
+
+
+def test_the_fake_run_goes_through_each_shared_piece_once(monkeypatch):
+    """Compiling walks the split module on fake inputs; a piece of the same structure as an
+    earlier one (every decoder layer after the first) gets fresh outputs of the first one's
+    sizes instead of running its ops again, and the split model still gives the unsplit
+    logits."""
+    cfg = tiny_config("llama")
+    cfg.num_hidden_layers = layers = 5
+    torch.manual_seed(6)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    config = CompileConfig(attention_backend="torch_native", page_size=4, kv_cache_tokens=256, max_requests=2)
+    executed = []
+    real_call = torch.fx.Interpreter.call_module
+
+    def counting(self, target, args, kwargs):
+        executed.append(target)
+        return real_call(self, target, args, kwargs)
+
+    monkeypatch.setattr(torch.fx.Interpreter, "call_module", counting)
+    runner, state = _split_runner(model, config)
+    _ = runner.pool  # compiles
+    monkeypatch.setattr(torch.fx.Interpreter, "call_module", real_call)
+    (module,) = state.modules
+    static = [n.target for n in module.graph.nodes if n.op == "call_module" and isinstance(getattr(module, n.target), StaticPiece)]
+    assert len(static) == layers + 1
+    ran_static = [t for t in executed if t in static]
+    assert ran_static == [static[0], static[1], static[-1]]  # first, one middle, last
+    reference = ModelRunner(copy.deepcopy(model), config)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (5, 3)]
+    decode = torch.randint(0, cfg.vocab_size, (2,), generator=g)
+    for got, want in zip(_steps(runner, prompts, decode), _steps(reference, prompts, decode)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fresh_outputs_only_where_a_piece_returns_tensors_of_its_own():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from attngraph.runtime.piecewise import _fresh_like
+
+    with FakeTensorMode():
+        x = torch.empty(4, 6)
+        own = (torch.empty(4, 3), 7)
+        make = _fresh_like(own, [x])
+        new = make()
+        assert new[1] == 7 and new[0].shape == (4, 3) and new[0].untyped_storage() is not own[0].untyped_storage()
+        assert _fresh_like((x.view(6, 4),), [x]) is None  # a view of an input
+        assert _fresh_like((x[:, 2:],), [torch.empty(1)]) is None  # starts past 0 in its storage
+        y = torch.empty(4, 2)
+        assert _fresh_like((y, y), [x]) is None  # one storage twice
 
 
 def test_layers_share_one_compiled_piece_and_attention_runs_without_the_dispatcher():
