@@ -36,8 +36,9 @@ CLASSES = [
     ("splitk_reduce", re.compile(r"splitKreduce|reduce_kernel.*splitK", re.I)),
     ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|sm90_|gemv|cublas|mm_kernel|triton_tem", re.I)),
     ("attention", re.compile(r"attention|_fwd_kernel|flashinfer|Prefill|Decode|merge|_stage", re.I)),
-    ("kv_write_copy", re.compile(r"index_put|index_copy|scatter|copy|Memcpy|Memset|fill", re.I)),
+    # inductor's generated kernels first: their names spell the ops they fused (``..._to_copy..``)
     ("inductor_fused", re.compile(r"^triton_", re.I)),
+    ("kv_write_copy", re.compile(r"index_put|index_copy|scatter|copy|Memcpy|Memset|fill|store_kv", re.I)),
 ]
 
 
