@@ -128,3 +128,26 @@ def test_a_batch_is_refused_by_hf_and_leaves_the_pool_empty():
         model.generate(ids, prompt_lookup_num_tokens=3, max_new_tokens=4, pad_token_id=PAD)
     runner = state_of(model).runner
     assert runner.pool.num_used_pages == 0 and runner.pool.num_active_requests == 0
+
+
+@pytest.mark.parametrize("accelerate_draft", [False, True])
+def test_a_draft_with_another_vocabulary_is_refused_and_leaves_the_pools_empty(accelerate_draft):
+    """transformers refuses an assistant of another vocabulary (without both tokenizers) before
+    any step; the accelerated target (and an accelerated draft) keep no pages."""
+    import transformers
+
+    from ..hf_models import tiny_config
+
+    model, _ = accelerated_pair("llama")
+    cfg = tiny_config("llama")
+    cfg.vocab_size = model.config.vocab_size // 2
+    torch.manual_seed(5)
+    draft = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    if accelerate_draft:
+        attngraph.accelerate(draft, attention_backend="torch_native", page_size=4)
+    ids = repetitive_prompt(cfg.vocab_size, seed=4)
+    with pytest.raises(ValueError, match="tokenizer"):
+        model.generate(ids, assistant_model=draft, max_new_tokens=4, pad_token_id=PAD)
+    for m in (model, draft) if accelerate_draft else (model,):
+        runner = state_of(m).runner
+        assert runner.pool.num_used_pages == 0 and runner.pool.num_active_requests == 0
