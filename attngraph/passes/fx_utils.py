@@ -93,7 +93,6 @@ def example_value(node: Any) -> Any:
     return None
 
 
-
 def graph_fake_mode(graph: fx.Graph):
     """The fake mode of the graph's own example values (Dynamo's tracing mode), or None.
 
@@ -155,6 +154,7 @@ def _flat(x: Any) -> Iterable[Any]:
             yield from _flat(y)
     else:
         yield x
+
 
 # --------------------------------------------------------------------------- aliasing and writes
 # A Dynamo graph is not functional: ``s.div_(c)``, ``mask[..., j] = 0`` or ``k.mul_(2)`` change a
