@@ -122,6 +122,7 @@ def fill_example_values(gm: fx.GraphModule) -> int:
     if mode is None:
         return 0
     from torch._dispatch.python import enable_python_dispatcher
+    from torch.utils._pytree import tree_flatten
 
     missing = object()
     filled = 0
@@ -129,9 +130,8 @@ def fill_example_values(gm: fx.GraphModule) -> int:
         for node in gm.graph.nodes:
             if node.op not in ("call_function", "call_method") or "example_value" in node.meta:
                 continue
-            args = fx.node.map_arg(node.args, lambda n: n.meta.get("example_value", n.meta.get("val", missing)))
-            kwargs = fx.node.map_arg(node.kwargs, lambda n: n.meta.get("example_value", n.meta.get("val", missing)))
-            if any(a is missing for a in _flat((args, kwargs))):
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("example_value", n.meta.get("val", missing)))
+            if any(a is missing for a in tree_flatten((args, kwargs))[0]):
                 continue
             try:
                 if node.op == "call_method":
@@ -143,17 +143,6 @@ def fill_example_values(gm: fx.GraphModule) -> int:
             node.meta["example_value"] = value
             filled += 1
     return filled
-
-
-def _flat(x: Any) -> Iterable[Any]:
-    if isinstance(x, (tuple, list)):
-        for y in x:
-            yield from _flat(y)
-    elif isinstance(x, dict):
-        for y in x.values():
-            yield from _flat(y)
-    else:
-        yield x
 
 
 # --------------------------------------------------------------------------- aliasing and writes
