@@ -109,29 +109,33 @@ def _attend(
     return m_i, l_i, acc
 
 
-@triton.jit
+# The request count, the binary search's length and the dense lengths change with the step and
+# the captured size; not specializing them keeps one compiled variant per block shape (each
+# variant costs a fresh process a second or more of Triton compile during the captures).
+@triton.jit(do_not_specialize=["dense_q_len", "dense_kv_len", "last_slot", "packed_steps"])
 def _extend_kernel(
     Q, K, V, Out, ReqToPage, ReqIdx, SeqLens, QoIndptr, Sinks, Slopes,
-    scale, logit_cap, window, chunk, dense_q_len, dense_kv_len, last_slot,
+    scale, logit_cap, window, chunk, dense_q_len, dense_kv_len, last_slot, packed_steps,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_rtp,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, V_HEAD_DIM: tl.constexpr,
     PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_CAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, PACKED_STEPS: tl.constexpr, HAS_SINKS: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, PACKED: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_ALIBI: tl.constexpr, BLOCK_DT: tl.constexpr, HAS_TAIL: tl.constexpr,
 ):  # fmt: skip
     # Grid axis 0 is the query head (the heads of one KV head run side by side and share its
     # K/V in L2); axis 1 runs the query blocks last first: under a causal mask the last blocks
     # see the most keys, and starting them first keeps the tail of the launch short.
     h = tl.program_id(0)
-    if PACKED_STEPS > 0:
+    if PACKED:
         # Grid (Hq, total // BLOCK_M + B): request b's query blocks are programs
         # qo_indptr[b] // BLOCK_M + b onward (room for cdiv(ext_len, BLOCK_M) of them); the
-        # request of a program is found by binary search over the B starts.
+        # request of a program is found by binary search over the B starts (packed_steps =
+        # ceil(log2(B)) halvings).
         t = tl.num_programs(1) - 1 - tl.program_id(1)
         lo = t * 0
         hi = lo + last_slot
-        for _ in tl.static_range(PACKED_STEPS):
+        for _ in range(packed_steps):
             mid = (lo + hi + 1) // 2
             start = tl.load(QoIndptr + mid) // BLOCK_M + mid
             lo = tl.where(start <= t, mid, lo)
@@ -322,13 +326,13 @@ def _launch(q, k, v, out, req_to_page, req_pool_indices, seq_lens, qo_indptr, gr
         q, k, v, out, req_to_page, req_pool_indices, seq_lens, qo_indptr, check_sinks(sinks, hq, q),
         check_slopes(alibi_slopes, hq, q),
         float(scale), float(logit_cap) if logit_cap > 0 else 1.0, window_arg(window_left), chunk,
-        dense_q_len, dense_kv_len, bsz - 1,
+        dense_q_len, dense_kv_len, bsz - 1, steps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), req_to_page.stride(0),
         GROUP=hq // hkv, PAGE_SIZE=page_size, HEAD_DIM=d, V_HEAD_DIM=dv,
         PAGED=paged, CAUSAL=bool(causal), HAS_CAP=logit_cap > 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=triton.next_power_of_2(dv),
-        UPCAST=upcast, PRECISION=precision, PACKED_STEPS=steps, HAS_SINKS=sinks is not None,
+        UPCAST=upcast, PRECISION=precision, PACKED=packed, HAS_SINKS=sinks is not None,
         HAS_ALIBI=alibi_slopes is not None, BLOCK_DT=max(block_dt, 16), HAS_TAIL=block_dt > 0,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
