@@ -11,7 +11,10 @@ and its phases (each phase's seconds include the ones listed under it):
 * ``warmup``: the dummy steps and the CUDA-graph captures (``capture``);
 * ``aot_autograd`` / ``inductor_cache``: the cache counters (a ``bypass`` re-traces a graph);
 * ``dynamo``: Dynamo's own timers above 0.25 s (``_compile.compile_inner`` is the whole first
-  compile; ``create_aot_dispatcher_function`` appears only for graphs not loaded from a cache).
+  compile; ``create_aot_dispatcher_function`` appears only for graphs not loaded from a cache);
+* ``triton_jit``: attngraph's own Triton kernels (``@triton.jit``; inductor's kernels compile
+  through their own path) compiled in the process: variants per kernel and their seconds (a
+  variant found in Triton's disk cache takes milliseconds).
 
 Run it twice in fresh processes: the first pays inductor's and Triton's compiles (caches
 cold), the second shows what every later start costs.
@@ -76,18 +79,59 @@ def instrument() -> None:
         _timed(module, "capture_step", "capture_steps")
 
 
+TRITON_JIT: dict[str, dict[str, float]] = collections.defaultdict(lambda: {"variants": 0, "s": 0.0})
+
+
+def count_triton_compiles() -> None:
+    """Count the ``@triton.jit`` variants compiled (or loaded from disk) in this process."""
+    import triton
+
+    started: dict[object, float] = {}
+
+    def before(*, key, fn, **_):
+        started[key] = time.perf_counter()
+        return False  # go on and compile
+
+    def after(*, key, fn, **_):
+        row = TRITON_JIT[str(getattr(fn, "name", fn)).rsplit(".", 1)[-1]]
+        row["variants"] += 1
+        row["s"] += time.perf_counter() - started.pop(key, time.perf_counter())
+
+    triton.knobs.runtime.jit_cache_hook = before
+    triton.knobs.runtime.jit_post_compile_hook = after
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", choices=["1b", "8b"], default="1b")
     p.add_argument("--out", default=None, help="append the JSON line to this file")
+    p.add_argument("--cprofile", default=None, help="write cProfile's top functions (cumulative) of accelerate() here")
     args = p.parse_args()
     instrument()
+    count_triton_compiles()
     model = random_model(args.shape)
     torch.cuda.synchronize()
+    profiler = None
+    if args.cprofile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     start = time.perf_counter()
     attngraph.accelerate(model)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
+    if profiler is not None:
+        import io
+        import pstats
+
+        profiler.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("cumulative").print_stats(120)
+        stats.sort_stats("tottime").print_stats(60)
+        with open(args.cprofile, "w") as f:
+            f.write(text.getvalue())
 
     from torch._dynamo.utils import compilation_time_metrics, counters
 
@@ -99,6 +143,7 @@ def main() -> None:
         phases_s={k: round(v, 2) for k, v in SECONDS.items()},
         aot_autograd=dict(counters["aot_autograd"]),
         inductor_cache={k: v for k, v in counters["inductor"].items() if "cache" in k},
+        triton_jit={k: {"variants": v["variants"], "s": round(v["s"], 2)} for k, v in TRITON_JIT.items()},
         dynamo={k: round(sum(v), 2) for k, v in compilation_time_metrics.items() if sum(v) > 0.25},
     )
     line = json.dumps(row)
