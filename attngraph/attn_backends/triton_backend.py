@@ -4,7 +4,10 @@
   heads of a GQA group in one program, stage 2 merging the splits. The split count of each
   request is decided on the device from its length, so the whole decode step can be captured
   in a CUDA graph (`GraphSupport.FULL`); the only host-side choice is ``max_splits``, a
-  function of the (padded, static) batch size.
+  function of the (padded, static) batch size. With ``fused_decode`` (the default; not over
+  MLA's latent pool) a layer's decode is one launch: the kernel stores the new K/V itself and
+  merges the splits in the same launch (per-tile counters owned by the backend, zero between
+  launches).
 * EXTEND / MIXED: the new K/V are appended to the pool first, then `extend_attention_fwd`
   runs one online softmax over each request's keys ``0..seq_len-1`` read back from the pool.
   Its grid follows the longest new-token run; in a captured extend graph it follows the
@@ -98,6 +101,11 @@ class TritonBackend(AttentionBackend):
         Upper bound on decode splits per request.
     min_split_len:
         Shortest decode split in keys; shorter requests use fewer splits.
+    fused_decode:
+        One launch per decode layer: the new K/V are stored by the attention kernel (when they
+        have the pool's dtype) and the splits are merged in the same launch. False, and always
+        over MLA's latent pool (``value_in_key``): K/V store, stage 1 and stage 2 as three
+        launches. The results are the same.
     """
 
     name = "triton"
@@ -118,6 +126,7 @@ class TritonBackend(AttentionBackend):
         deterministic: bool = False,
         max_kv_splits: int = DEFAULT_MAX_KV_SPLITS,
         min_split_len: int = DEFAULT_MIN_SPLIT_LEN,
+        fused_decode: bool = True,
     ) -> None:
         super().__init__(spec)
         if max_kv_splits < 1 or min_split_len < 1:
@@ -127,10 +136,15 @@ class TritonBackend(AttentionBackend):
         self.deterministic = deterministic
         self.max_kv_splits = int(max_kv_splits)
         self.min_split_len = int(min_split_len)
+        self.fused_decode = bool(fused_decode)
         self._sm_counts: dict[torch.device, int] = {}
         # CUDA-graph scratch of decode (flat fp32, viewed per batch size), see init_cuda_graph_state.
         self._graph_part_o: torch.Tensor | None = None
         self._graph_part_lse: torch.Tensor | None = None
+        # Merge counters of fused decode (int32, zero between launches: each launch resets the
+        # ones it uses); the CUDA-graph one is never replaced, the eager ones grow on demand.
+        self._graph_counters: torch.Tensor | None = None
+        self._eager_counters: dict[torch.device, torch.Tensor] = {}
         # Per-step state from init_forward_metadata_out_graph.
         self._step_batch: "ForwardBatch | None" = None
         self._step_max_extend_len = 0
@@ -188,7 +202,8 @@ class TritonBackend(AttentionBackend):
 
         ``partial_out`` holds ``max_b(b * max_splits(b)) * Hq * Dv`` fp32 values and
         ``partial_lse`` the same without ``Dv``; each step views their heads as
-        ``[B, Hq, max_splits(B), Dv]`` / ``[B, Hq, max_splits(B)]``.
+        ``[B, Hq, max_splits(B), Dv]`` / ``[B, Hq, max_splits(B)]``. The fused decode's merge
+        counters: ``max_bs * Hq`` int32 zeros, made once (the kernel leaves them zero).
         """
         if self.spec is None:
             raise ValueError("TritonBackend.init_cuda_graph_state needs the ModelAttentionSpec; pass spec= to the constructor")
@@ -200,6 +215,8 @@ class TritonBackend(AttentionBackend):
         dv = max(spec.head_dims)
         self._graph_part_o = torch.empty(rows * spec.num_q_heads * dv, dtype=torch.float32, device=device)
         self._graph_part_lse = torch.empty(rows * spec.num_q_heads, dtype=torch.float32, device=device)
+        if self.fused_decode:
+            self._graph_counters = torch.zeros(max(1, max_bs) * spec.num_q_heads, dtype=torch.int32, device=device)
         logger.debug(
             "triton backend: decode split buffers for max_bs=%d: %d (request, split) rows, %.1f MiB",
             max_bs, rows, self._graph_part_o.numel() * 4 / 2**20,
@@ -219,6 +236,17 @@ class TritonBackend(AttentionBackend):
             )
         return self._step_partials[key]
 
+    def _counters(self, n: int, device: torch.device) -> torch.Tensor:
+        """``[n]`` int32 merge counters, all zero, for one fused decode launch: the CUDA-graph
+        buffer where it is large enough, else a persistent eager one (zeroed once, when made)."""
+        go = self._graph_counters
+        if go is not None and go.device == device and go.numel() >= n:
+            return go[:n]
+        eager = self._eager_counters.get(device)
+        if eager is None or eager.numel() < n:
+            eager = self._eager_counters[device] = torch.zeros(n, dtype=torch.int32, device=device)
+        return eager[:n]
+
     @staticmethod
     def _check_device(t: torch.Tensor) -> None:
         if t.device.type != "cuda" and not interpreting():
@@ -228,12 +256,22 @@ class TritonBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ compute
     def forward_decode(self, q, k, v, layer: AttentionLayer, batch: "ForwardBatch", save_kv_cache: bool = True) -> torch.Tensor:
-        """``q: [B, Hq, D]`` (one new token per request) -> ``[B, Hq, Dv]``."""
+        """``q: [B, Hq, D]`` (one new token per request) -> ``[B, Hq, Dv]``; ``k: [B, Hkv, D]``,
+        ``v: [B, Hkv, Dv]`` are stored at ``batch.out_cache_loc`` with ``save_kv_cache``."""
         self._check_device(q)
-        if save_kv_cache:
-            self.save_kv(layer, batch, k, v)
         pool = batch.kv_pool
         bsz = q.shape[0]
+        # Not over MLA's latent pool: the kernel does not write a pool whose values are its keys,
+        # and one program merging a tile of up to 64 heads x 512 values per split (32 splits:
+        # 4 MiB of partials) would serialise what stage 2 spreads over every query head.
+        fused = self.fused_decode and not pool.value_in_key
+        new_kv = {}
+        if save_kv_cache:
+            if fused and k.dtype == pool.dtype and v.dtype == pool.dtype:
+                # stored by the attention kernel: no store kernel of its own
+                new_kv = dict(k_new=_last_dim_contiguous(k), v_new=_last_dim_contiguous(v), new_loc=batch.out_cache_loc)
+            else:
+                self.save_kv(layer, batch, k, v)
         kb = pool.k_buffers[layer.layer_id].view(-1, pool.num_kv_heads, pool.head_dim)
         vb = pool.v_buffers[layer.layer_id].view(-1, pool.num_kv_heads, pool.v_head_dim)
         out = q.new_empty((bsz, layer.num_q_heads, pool.v_head_dim))
@@ -245,6 +283,7 @@ class TritonBackend(AttentionBackend):
             part_o, part_lse, page_size=pool.page_size, scale=layer.scale, max_splits=splits,
             min_split_len=self.min_split_len, logit_cap=layer.logit_cap, window_left=layer.window_left,
             sinks=layer.sinks, chunk_size=layer.chunk_size, alibi_slopes=_slopes(layer, q),
+            counters=self._counters(bsz * layer.num_q_heads, q.device) if fused else None, **new_kv,
         )  # fmt: skip
 
     def forward_extend(self, q, k, v, layer: AttentionLayer, batch: "ForwardBatch", save_kv_cache: bool = True) -> torch.Tensor:

@@ -9,6 +9,17 @@ Two kernels:
   split's normalised output and its log-sum-exp (base 2) to the partial buffers.
 * stage 2, grid ``(batch, num_q_heads)``: merges the splits of each request and head.
 
+Fused forms, each optional (`decode_attention_fwd`'s ``k_new`` and ``counters``), one launch
+per layer with both:
+
+* New K/V: stage 1 also stores the new token's K/V row into the pool (the program of split 0
+  and head block 0 of each request and KV head), and every program takes key ``seq_len - 1``
+  from those rows rather than from the pool, where that store may not have landed yet.
+* Merge in stage 1: each program of a (request, KV head, head block) tile stores its partials
+  and counts itself on the tile's int32 counter (an ``acq_rel`` atomic); the last to count
+  merges the tile's splits by stage 2's arithmetic, writes the output and puts the counter back
+  to zero. A request of one split merges at once from registers (no partials, no atomic).
+
 How many splits a request uses is decided on the device from its own length
 (`_split_plan`), so nothing is read back to the host and the launch is CUDA-graph safe:
 ``splits = clamp(cdiv(kv_span, min_split_len), 1, max_splits)``; a program whose split lies
@@ -138,15 +149,31 @@ def _split_plan(seq_len, window, chunk, max_splits, min_split_len, SPLIT_ALIGN: 
 
 # ----------------------------------------------------------------------------- kernels
 @triton.jit
+def _merge_split(m, l, acc, lse, o):
+    """One split merged into the running ``(m, l, acc)`` of a block of query heads, by stage 2's
+    arithmetic: ``m, l, lse: [BLOCK_H]`` (log2 units), ``acc, o: [BLOCK_H, BLOCK_DV]``."""
+    m_new = tl.maximum(m, lse)  # finite: every split holds keys
+    alpha = tl.exp2(m - m_new)
+    w = tl.exp2(lse - m_new)
+    return m_new, l * alpha + w, acc * alpha[:, None] + o * w[:, None]
+
+
+# Values that change with the batch size (``max_splits`` and the partial LSE's head stride) are
+# not specialized: Triton would compile a variant per divisibility class (1, multiple of 16,
+# other), paid again by every fresh process for the captures of the decode graphs.
+@triton.jit(do_not_specialize=["max_splits", "stride_plh"])
 def _decode_stage1_kernel(
     Q, K, V, ReqToPage, ReqIdx, SeqLens, PartO, PartLse, Slopes,
+    KNew, VNew, NewLoc, Out, Sinks, Counters,
     scale, logit_cap, window, chunk, max_splits, min_split_len,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_rtp,
     stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
+    stride_knb, stride_knh, stride_vnb, stride_vnh, stride_ob, stride_oh,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, V_HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_CAP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HEAD_BLOCKS: tl.constexpr, BLOCK_DT: tl.constexpr, HAS_TAIL: tl.constexpr,
+    NEW_KV: tl.constexpr, MERGE: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kvh = tl.program_id(1) // HEAD_BLOCKS  # the KV head, and which BLOCK_H of its group's query heads
@@ -154,15 +181,7 @@ def _decode_stage1_kernel(
     sid = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
     kv_lo, split_len, num_splits = _split_plan(seq_len, window, chunk, max_splits, min_split_len, BLOCK_N)
-    if sid >= num_splits:
-        return
-    start = kv_lo + sid * split_len
-    end = tl.minimum(start + split_len, seq_len)
-    row = tl.load(ReqIdx + b).to(tl.int64)
 
-    offs_g = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = offs_g < GROUP
-    heads = kvh * GROUP + offs_g  # [BLOCK_H] query heads of this KV head
     # Head dims [0, BLOCK_D) and, when HEAD_DIM is no power of two, the tail [BLOCK_D, HEAD_DIM)
     # in a second block (MLA's latent 512 + RoPE 64; 128 + 64): no padding to the next power.
     offs_d = tl.arange(0, BLOCK_D)
@@ -171,6 +190,35 @@ def _decode_stage1_kernel(
     mask_dt = offs_dt < HEAD_DIM
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < V_HEAD_DIM
+    if NEW_KV:
+        # The new token's K/V rows of this KV head in the pool's dtype ([BLOCK_D], [BLOCK_DT],
+        # [BLOCK_DV]). One program per (request, KV head) stores them; every program uses them
+        # for key position seq_len - 1, since that store is not visible to other programs in time.
+        kn_ptrs = KNew + b * stride_knb + kvh * stride_knh
+        k_new = tl.load(kn_ptrs + offs_d, mask=mask_d, other=0.0).to(K.dtype.element_ty)
+        if HAS_TAIL:
+            k_new_tail = tl.load(kn_ptrs + offs_dt, mask=mask_dt, other=0.0).to(K.dtype.element_ty)
+        v_new = tl.load(VNew + b * stride_vnb + kvh * stride_vnh + offs_dv, mask=mask_dv, other=0.0)
+        v_new = v_new.to(V.dtype.element_ty)
+        if (sid == 0) & (hb == 0):  # before any early return: stored even for seq_len = 0, as save_kv does
+            loc = tl.load(NewLoc + b).to(tl.int64)
+            tl.store(K + loc * stride_ks + kvh * stride_kh + offs_d, k_new, mask=mask_d)
+            if HAS_TAIL:
+                tl.store(K + loc * stride_ks + kvh * stride_kh + offs_dt, k_new_tail, mask=mask_dt)
+            tl.store(V + loc * stride_vs + kvh * stride_vh + offs_dv, v_new, mask=mask_dv)
+
+    runs = num_splits
+    if MERGE:  # split 0 of a request without keys still runs: it writes the request's zeros
+        runs = tl.maximum(num_splits, 1)
+    if sid >= runs:
+        return
+    start = kv_lo + sid * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    row = tl.load(ReqIdx + b).to(tl.int64)
+
+    offs_g = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_g < GROUP
+    heads = kvh * GROUP + offs_g  # [BLOCK_H] query heads of this KV head
     q_ptrs = Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
     if HAS_TAIL:
@@ -185,14 +233,22 @@ def _decode_stage1_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
         mask_n = pos < end
-        page = tl.load(ReqToPage + row * stride_rtp + pos // PAGE_SIZE, mask=mask_n, other=0)
+        is_new = pos == seq_len - 1
+        mask_kv = mask_n  # positions read from the pool
+        if NEW_KV:
+            mask_kv = mask_n & (pos != seq_len - 1)
+        page = tl.load(ReqToPage + row * stride_rtp + pos // PAGE_SIZE, mask=mask_kv, other=0)
         slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE  # [BLOCK_N] rows of the flat pool
         k_ptrs = K + slot[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None]
-        kt = tl.load(k_ptrs, mask=mask_d[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+        kt = tl.load(k_ptrs, mask=mask_d[:, None] & mask_kv[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+        if NEW_KV:
+            kt = tl.where(is_new[None, :], k_new[:, None], kt)
         s = _dot(q, kt.to(q.dtype), UPCAST, PRECISION)  # [BLOCK_H, BLOCK_N]
         if HAS_TAIL:
             kt_ptrs = K + slot[None, :] * stride_ks + kvh * stride_kh + offs_dt[:, None]
-            kt_tail = tl.load(kt_ptrs, mask=mask_dt[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_DT, BLOCK_N]
+            kt_tail = tl.load(kt_ptrs, mask=mask_dt[:, None] & mask_kv[None, :], other=0.0)  # [BLOCK_DT, BLOCK_N]
+            if NEW_KV:
+                kt_tail = tl.where(is_new[None, :], k_new_tail[:, None], kt_tail)
             s += _dot(q_tail, kt_tail.to(q.dtype), UPCAST, PRECISION)
         s = s * scale
         if HAS_CAP:
@@ -206,17 +262,60 @@ def _decode_stage1_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v_ptrs = V + slot[:, None] * stride_vs + kvh * stride_vh + offs_dv[None, :]
-        v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_dv[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
+        v = tl.load(v_ptrs, mask=mask_kv[:, None] & mask_dv[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
+        if NEW_KV:
+            v = tl.where(is_new[:, None], v_new[None, :], v)
         acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), UPCAST, PRECISION)
         m_i = m_new
 
-    po_ptrs = PartO + b * stride_pob + heads[:, None] * stride_poh + sid * stride_pos + offs_dv[None, :]
-    tl.store(po_ptrs, acc / l_i[:, None], mask=mask_h[:, None] & mask_dv[None, :])
-    pl_ptrs = PartLse + b * stride_plb + heads * stride_plh + sid
-    tl.store(pl_ptrs, m_i + tl.log2(l_i), mask=mask_h)
+    # This split's normalised output and log-sum-exp (base 2): [BLOCK_H, BLOCK_DV], [BLOCK_H].
+    part_o = acc / l_i[:, None]
+    part_lse = m_i + tl.log2(l_i)
+    mask_o = mask_h[:, None] & mask_dv[None, :]
+    po_ptrs = PartO + b * stride_pob + heads[:, None] * stride_poh + offs_dv[None, :]  # split 0's
+    pl_ptrs = PartLse + b * stride_plb + heads * stride_plh
+    if not MERGE:
+        tl.store(po_ptrs + sid * stride_pos, part_o, mask=mask_o)
+        tl.store(pl_ptrs + sid, part_lse, mask=mask_h)
+    else:
+        # Stage 2 in this launch: the tile's (request, KV head, head block) last program to finish
+        # merges its splits. A request of one split (or none) merges here, from registers.
+        counter = Counters + b * tl.num_programs(1) + tl.program_id(1)
+        last = num_splits <= 1
+        if num_splits > 1:
+            tl.store(po_ptrs + sid * stride_pos, part_o, mask=mask_o)
+            tl.store(pl_ptrs + sid, part_lse, mask=mask_h)
+            # The barrier orders every thread's partial stores before the atomic, whose release
+            # (gpu scope) publishes them; its acquire makes the other programs' partials visible
+            # to the merging program, whose threads all read after the second barrier.
+            tl.debug_barrier()
+            done = tl.atomic_add(counter, 1, sem="acq_rel")
+            tl.debug_barrier()
+            last = done == num_splits - 1
+        if last:
+            m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+            l = tl.zeros([BLOCK_H], tl.float32)
+            res = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+            if num_splits == 1:
+                m, l, res = _merge_split(m, l, res, part_lse, part_o)
+            else:  # all splits in order (none when seq_len = 0), read past L1 (".cg")
+                for s_id in range(0, num_splits):
+                    lse = tl.load(pl_ptrs + s_id, mask=mask_h, other=0.0, cache_modifier=".cg")
+                    o = tl.load(po_ptrs + s_id * stride_pos, mask=mask_o, other=0.0, cache_modifier=".cg")
+                    m, l, res = _merge_split(m, l, res, lse, o)
+                tl.store(counter, 0)  # every program of the tile has counted: ready for the next launch
+            if HAS_SINKS:  # the head's sink logit joins the denominator only (it has no value)
+                sink = tl.load(Sinks + heads, mask=mask_h, other=0.0).to(tl.float32) * _LOG2E
+                m_new = tl.maximum(m, sink)
+                alpha = tl.exp2(m - m_new)
+                res = res * alpha[:, None]
+                l = l * alpha + tl.exp2(sink - m_new)
+            res = tl.where(l[:, None] > 0, res / tl.where(l > 0, l, 1.0)[:, None], 0.0)  # seq_len = 0: zeros
+            o_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :]
+            tl.store(o_ptrs, res.to(Out.dtype.element_ty), mask=mask_o)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_splits", "stride_plh"])
 def _decode_stage2_kernel(
     PartO, PartLse, Out, SeqLens, Sinks,
     window, chunk, max_splits, min_split_len,
@@ -317,6 +416,22 @@ def decode_num_warps(head_dim: int, v_head_dim: int) -> int:
     return 4 if max(head_dim, v_head_dim) <= 256 else 8
 
 
+def _check_new_kv(k_new, v_new, new_loc, k_buffer, v_buffer, bsz: int) -> None:
+    """Refuse new K/V rows the kernel cannot store (see `decode_attention_fwd`)."""
+    if k_new is None or v_new is None or new_loc is None:
+        raise ValueError("k_new, v_new and new_loc go together")
+    hkv, d, dv = k_buffer.shape[1], k_buffer.shape[2], v_buffer.shape[2]
+    if tuple(k_new.shape) != (bsz, hkv, d) or tuple(v_new.shape) != (bsz, hkv, dv) or tuple(new_loc.shape) != (bsz,):
+        raise ValueError(
+            f"k_new {tuple(k_new.shape)}, v_new {tuple(v_new.shape)}, new_loc {tuple(new_loc.shape)} must be "
+            f"[{bsz}, {hkv}, {d}], [{bsz}, {hkv}, {dv}], [{bsz}]"
+        )
+    if k_buffer.untyped_storage().data_ptr() == v_buffer.untyped_storage().data_ptr():
+        raise ValueError("k_new/v_new need separate K and V buffers (a pool with the values in its keys is written by KVPool.write)")
+    check_last_dim_contiguous("k_new", k_new)
+    check_last_dim_contiguous("v_new", v_new)
+
+
 def decode_attention_fwd(
     q: torch.Tensor,
     k_buffer: torch.Tensor,
@@ -337,12 +452,16 @@ def decode_attention_fwd(
     sinks: torch.Tensor | None = None,
     chunk_size: int = 0,
     alibi_slopes: torch.Tensor | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    new_loc: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of one new token per request over its paged keys ``0..seq_len-1``.
 
     Parameters
     ----------
-    q: ``[B, Hq, D]``, the new tokens' queries (the new K/V must already be in the pool).
+    q: ``[B, Hq, D]``, the new tokens' queries.
     k_buffer: ``[num_slots, Hkv, D]``, the layer's pool flattened over pages
         (``KVPool.k_buffers[layer].view(-1, Hkv, D)``). v_buffer: ``[num_slots, Hkv, Dv]``.
     out: ``[B, Hq, Dv]``, written (dtype of its own).
@@ -362,8 +481,22 @@ def decode_attention_fwd(
         chunk_size`` only, when > 0.
     alibi_slopes: fp32 ``[Hq]`` ALiBi slopes: ``slope * (j - (seq_len - 1))`` is added to the
         scaled (and capped) score of key ``j``. None: no bias.
+    k_new, v_new, new_loc: the new tokens' ``[B, Hkv, D]`` keys and ``[B, Hkv, Dv]`` values
+        (unit stride in the last dimension; rows may be strided views of a fused projection) and
+        their ``[B]`` integer pool slots (``ForwardBatch.out_cache_loc``). Given, the kernel
+        stores them at ``new_loc`` (converted to the pool's dtype, as ``KVPool.write`` does) and
+        uses them for key ``seq_len - 1``; None: the new K/V must already be in the pool.
+        Needs separate K and V buffers (not a pool with the values in its keys).
+    counters: int32 scratch of at least ``B * Hkv * cdiv(group, BLOCK_H)`` elements (``B * Hq``
+        always suffices), all zero; the launch leaves them zero again, so one zero-initialised
+        buffer serves every launch and CUDA-graph replay. Given, the splits are merged in the
+        same launch by the last program to finish of each (request, KV head, head block), which
+        reads the tile's ``splits x group x Dv`` partials alone: small for GQA groups, a serial
+        tail for MLA's latent tiles of 64 heads x 512 values (the backend keeps stage 2 there).
+        None: a second kernel merges them.
 
-    Returns ``out``.
+    Returns ``out``. Launches: one with ``counters``, else two; the new K/V cost no launch of
+    their own.
     """
     bsz, hq, d = q.shape
     chunk = chunk_arg(chunk_size)
@@ -378,6 +511,11 @@ def decode_attention_fwd(
         for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("out", out),
                         ("partial_out", partial_out), ("partial_lse", partial_lse)):  # fmt: skip
             check_last_dim_contiguous(name, t)
+    new_kv = k_new is not None or v_new is not None or new_loc is not None
+    if new_kv:
+        _check_new_kv(k_new, v_new, new_loc, k_buffer, v_buffer, bsz)
+    else:  # the kernel does not read them: any tensors
+        k_new, v_new, new_loc = q, q, seq_lens
     if bsz == 0:
         return out
     group = hq // hkv
@@ -386,24 +524,34 @@ def decode_attention_fwd(
     block_d, block_dt = head_dim_blocks(d)
     block_h = decode_block_h(group, d, dv, q.dtype)
     head_blocks = triton.cdiv(group, block_h)
+    if counters is not None and (
+        counters.dtype != torch.int32 or not counters.is_contiguous() or counters.numel() < bsz * hkv * head_blocks
+    ):
+        raise ValueError(f"counters must be a contiguous int32 tensor of >= {bsz * hkv * head_blocks} elements")
     upcast, precision = dot_options(q.dtype)
     window = window_arg(window_left)
     cap = float(logit_cap) if logit_cap > 0 else 1.0
+    sinks_arg = check_sinks(sinks, hq, q)
     _decode_stage1_kernel[(bsz, hkv * head_blocks, max_splits)](
         q, k_buffer, v_buffer, req_to_page, req_pool_indices, seq_lens, partial_out, partial_lse, slopes,
+        k_new, v_new, new_loc, out, sinks_arg, seq_lens if counters is None else counters,
         float(scale), cap, window, chunk, max_splits, min_split_len,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_page.stride(0),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), out.stride(0), out.stride(1),
         GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=d, V_HEAD_DIM=dv,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
         HAS_CAP=logit_cap > 0, UPCAST=upcast, PRECISION=precision, HAS_ALIBI=alibi_slopes is not None,
-        HEAD_BLOCKS=head_blocks, BLOCK_DT=max(block_dt, 16), HAS_TAIL=block_dt > 0, num_warps=decode_num_warps(d, dv),
-        num_stages=2,
+        HEAD_BLOCKS=head_blocks, BLOCK_DT=max(block_dt, 16), HAS_TAIL=block_dt > 0,
+        NEW_KV=new_kv, MERGE=counters is not None, HAS_SINKS=sinks is not None,
+        num_warps=decode_num_warps(d, dv), num_stages=2,
     )  # fmt: skip
+    if counters is not None:
+        return out
     _decode_stage2_kernel[(bsz, hq)](
-        partial_out, partial_lse, out, seq_lens, check_sinks(sinks, hq, q),
+        partial_out, partial_lse, out, seq_lens, sinks_arg,
         window, chunk, max_splits, min_split_len,
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1), out.stride(0), out.stride(1),
