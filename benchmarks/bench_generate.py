@@ -1,10 +1,17 @@
-"""End-to-end `generate` on the GPU: HF eager vs attngraph.accelerate, with the weight-read floor.
+"""Decode steps of `generate` on the GPU: attngraph against HF, each row against the floor.
 
-A Llama-3.2-1B-shaped model (random weights, bf16). For each backend: ms per generated token
-at batch 1 and batch 8, and the fraction of greedy tokens identical to HF eager generate.
-The floor is the time to read every weight once at the copy bandwidth measured in the same run.
+Llama-3.2-1B- and Llama-3.1-8B-shaped models (random weights, bf16), greedy, left-padded
+prompts of ``--prompt`` tokens. A decode step is ``(t(N) - t(1)) / (N - 1)``: the wall time of
+a ``generate`` of ``N = --new-tokens`` tokens minus that of a 1-token one (the prefill), each
+timed after a warm-up run of the same length. The floor is the time to read every weight once
+at the copy bandwidth measured in the same run; each row gives its ratio to it. For attngraph
+rows also: kernels per decode step and their summed GPU time (torch.profiler over one decode
+step of the captured graph), and the teacher-forced agreement with HF eager (HF eager's greedy
+choice on the row's own prefix).
 
-    python benchmarks/bench_generate.py --out benchmarks/results/generate.json
+    python benchmarks/bench_generate.py --shapes 1b,8b --batches 1,16,64 --backends triton \
+        --hf-static --out benchmarks/results/generate.json
+    python benchmarks/plot_generate.py benchmarks/results/generate.json --png benchmarks/generate.png
 """
 
 from __future__ import annotations
@@ -76,87 +83,122 @@ def teacher_forced_agreement(reference, accelerated, sequences, prompt_len: int,
     return float((logits.argmax(-1) == sequences[:, prompt_len:]).float().mean())
 
 
+def decode_step_ms(model, ids, mask, new_tokens: int, **extra) -> tuple[torch.Tensor, float]:
+    """``(sequences of the N-token generate, ms per decode step)``: ``(t(N) - t(1)) / (N - 1)``."""
+    _, t1 = timed(model, ids, mask, 1, **extra)
+    out, tn = timed(model, ids, mask, new_tokens, **extra)
+    return out, (tn * new_tokens - t1) / (new_tokens - 1) * 1e3
+
+
+def decode_kernels(model, batch: int, context: int) -> dict:
+    """Kernels and summed GPU time of one decode step of an accelerated model at ``batch``."""
+    from profile_kernels import decode_step, kernel_table
+
+    from attngraph.runtime.accelerate import state_of
+
+    runner = state_of(model).runner
+    step, free = decode_step(runner, batch, context, model.config.vocab_size)
+    try:
+        table = kernel_table(step)
+    finally:
+        free()
+    return {"kernels": table["kernels"], "gpu_ms": round(table["gpu_ms"], 3)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--shapes", default="1b", help="1b (Llama-3.2-1B) and/or 8b (Llama-3.1-8B), comma-separated")
     p.add_argument("--prompt", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--batches", default="1,8")
-    p.add_argument("--backends", default="flashinfer,triton")
-    p.add_argument("--hf-static", action="store_true", help="also HF generate with a static cache (compiled by transformers)")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--batches", default="1,16,64")
+    p.add_argument("--backends", default="triton,flashinfer")
+    p.add_argument("--hf-eager", action="store_true", help="also time HF eager generate (slow)")
+    p.add_argument("--hf-static", nargs="?", const="all", default="",
+                   help="also HF generate with a static cache (compiled by transformers), for these shapes (default: all)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_generate.py needs a CUDA device (it times bf16 generate on the GPU); "
                  "on a CPU `attngraph generate llama --tiny --prompt ...` compares tokens/s")  # fmt: skip
-    torch.manual_seed(0)
-    cfg = llama_1b(args.layers)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
-    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    from bench_prefill import random_model
+
     bw = copy_bandwidth()
-    floor_ms = weight_bytes / bw * 1e3  # reading every weight once at the measured HBM traffic rate
     batches = [int(b) for b in args.batches.split(",")]
     rows = []
-    refs = {}
-    with torch.no_grad():
-        for b in batches:
-            ids, mask = prompts(cfg.vocab_size, b, args.prompt)
-            out, t = timed(model, ids, mask, args.new_tokens)
-            refs[b] = out
-            rows.append(dict(impl="HF eager (sdpa)", batch=b, ms_per_token=t * 1e3, token_match=1.0))
-            print(rows[-1], flush=True)
-            if args.hf_static:  # transformers compiles the forward itself for a static cache
-                try:
-                    out, t = timed(model, ids, mask, args.new_tokens, cache_implementation="static")
-                    gen, ref = out[:, ids.shape[1]:], refs[b][:, ids.shape[1]:]
-                    rows.append(dict(impl="HF static cache + torch.compile", batch=b, ms_per_token=t * 1e3,
-                                     token_match=float((gen == ref).float().mean()),
-                                     teacher_forced_agreement=teacher_forced_agreement(model, None, out, ids.shape[1], mask)))
-                except Exception as exc:
-                    rows.append(dict(impl="HF static cache + torch.compile", error=f"{type(exc).__name__}: {exc}"[:500]))
-                print(rows[-1], flush=True)
-    for name in [x for x in args.backends.split(",") if x]:
-        m = copy.deepcopy(model)
-        t0 = time.perf_counter()
-        try:
-            attngraph.accelerate(m, attention_backend=name, kv_cache_tokens=1 << 16, cuda_graph_capture_sizes=tuple(batches))
-        except Exception as exc:  # report and go on with the next backend
-            rows.append(dict(impl=f"attngraph[{name}]", error=f"{type(exc).__name__}: {exc}"[:500]))
-            print(rows[-1], flush=True)
-            continue
-        setup_s = time.perf_counter() - t0
-        for b in batches:
-            ids, mask = prompts(cfg.vocab_size, b, args.prompt)
-            out, t = timed(m, ids, mask, args.new_tokens)
-            gen, ref = out[:, ids.shape[1]:], refs[b][:, ids.shape[1]:]
-            rows.append(dict(
-                impl=f"attngraph[{name}]", batch=b, ms_per_token=t * 1e3,
-                token_match=float((gen == ref).float().mean()),
-                teacher_forced_agreement=teacher_forced_agreement(model, m, out, ids.shape[1], mask),
-                setup_s=setup_s,
-            ))
-            print(rows[-1], flush=True)
-        attngraph.restore(m)
-        del m
+    floors = {}
+    for shape in args.shapes.split(","):
+        model = random_model(shape)
+        weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+        floor_ms = floors[shape] = weight_bytes / bw * 1e3  # every weight read once per step
+        vocab = model.config.vocab_size
+
+        def add(impl: str, b: int, **fields) -> None:
+            if "ms_per_step" in fields:
+                fields["x_floor"] = round(fields["ms_per_step"] / floor_ms, 2)
+            rows.append(dict(shape=shape, impl=impl, batch=b, floor_ms=round(floor_ms, 3), **fields))
+            print(json.dumps(rows[-1]), flush=True)
+
+        with torch.no_grad():
+            for b in batches:
+                ids, mask = prompts(vocab, b, args.prompt)
+                if args.hf_eager:
+                    _, ms = decode_step_ms(model, ids, mask, args.new_tokens)
+                    add("HF eager (sdpa)", b, ms_per_step=round(ms, 3))
+                if args.hf_static in ("all", shape) or shape in args.hf_static.split(","):  # transformers compiles the forward itself for a static cache
+                    try:
+                        out, ms = decode_step_ms(model, ids, mask, args.new_tokens, cache_implementation="static")
+                        add("HF static cache + torch.compile", b, ms_per_step=round(ms, 3),
+                            teacher_forced_agreement=round(teacher_forced_agreement(model, None, out, args.prompt, mask), 4))  # fmt: skip
+                    except Exception as exc:
+                        add("HF static cache + torch.compile", b, error=f"{type(exc).__name__}: {exc}"[:500])
+                    torch._dynamo.reset()
+        for name in [x for x in args.backends.split(",") if x]:
+            m = copy.deepcopy(model)
+            t0 = time.perf_counter()
+            try:
+                attngraph.accelerate(m, attention_backend=name, kv_cache_tokens=1 << 15)
+            except Exception as exc:  # report and go on with the next backend
+                add(f"attngraph[{name}]", 0, error=f"{type(exc).__name__}: {exc}"[:500])
+                continue
+            setup_s = time.perf_counter() - t0
+            for b in batches:
+                ids, mask = prompts(vocab, b, args.prompt)
+                out, ms = decode_step_ms(m, ids, mask, args.new_tokens)
+                add(f"attngraph[{name}]", b, ms_per_step=round(ms, 3), **decode_kernels(m, b, args.prompt),
+                    teacher_forced_agreement=round(teacher_forced_agreement(model, m, out, args.prompt, mask), 4),
+                    setup_s=round(setup_s, 1))  # fmt: skip
+            attngraph.restore(m)
+            del m
+            torch.cuda.empty_cache()
+        del model
         torch.cuda.empty_cache()
     result = dict(
-        model=f"Llama-3.2-1B-shaped ({args.layers} layers), bf16, random weights",
+        command="python benchmarks/bench_generate.py " + " ".join(sys.argv[1:]),
         device=torch.cuda.get_device_name(), torch=torch.__version__, transformers=transformers.__version__,
-        prompt=args.prompt, new_tokens=args.new_tokens, copy_bandwidth_GBps=bw / 1e9,
-        weight_read_floor_ms=floor_ms, rows=rows,
+        prompt=args.prompt, new_tokens=args.new_tokens, copy_bandwidth_GBps=round(bw / 1e9),
+        weight_read_floor_ms=floors, rows=rows,
     )
-    print(f"\nweights {weight_bytes / 1e9:.2f} GB; copy bandwidth {bw / 1e9:.0f} GB/s; floor {floor_ms:.3f} ms/step")
-    print("| impl | batch | ms/token | free-running tokens equal | teacher-forced agreement |\n| --- | --- | --- | --- | --- |")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['impl']} | - | error: {r['error'][:80]} | - | - |")
-        else:
-            tf = r.get("teacher_forced_agreement")
-            tf_s = "-" if tf is None else f"{100 * tf:.1f}%"
-            print(f"| {r['impl']} | {r['batch']} | {r['ms_per_token']:.2f} | {100 * r['token_match']:.1f}% | {tf_s} |")
+    print(markdown_table(result))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
+
+
+def markdown_table(result: dict) -> str:
+    lines = ["| shape | impl | batch | ms / step | x floor | kernels / step | GPU ms / step | teacher-forced agreement |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['shape']} | {r['impl']} | {r['batch']} | error: {r['error'][:80]} | | | | |")
+            continue
+        tf = r.get("teacher_forced_agreement")
+        lines.append(
+            f"| {r['shape']} | {r['impl']} | {r['batch']} | {r['ms_per_step']:.3f} | {r['x_floor']:.2f} | "
+            f"{r.get('kernels', '')} | {r.get('gpu_ms', '')} | {'' if tf is None else f'{100 * tf:.1f}%'} |"
+        )
+    for shape, ms in result["weight_read_floor_ms"].items():
+        lines.append(f"| {shape} | floor (weights once at {result['copy_bandwidth_GBps']} GB/s) | | {ms:.3f} | 1.00 | | | |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

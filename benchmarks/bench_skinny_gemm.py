@@ -191,14 +191,15 @@ def main() -> None:
     p.add_argument("--block-k", default="128,256")
     p.add_argument("--split-k", default="1,2,4,8")
     p.add_argument("--stages", default="3,4")
+    p.add_argument("--no-triton", action="store_true", help="only the BLAS libraries (cuBLAS, cuBLASLt)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     bw = copy_bandwidth()
     torch.manual_seed(0)
     rows_out = []
-    print("| shape | proj | N x K | rows | floor us | cuBLAS us | skinny us | x floor | config |")
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("| shape | proj | N x K | rows | floor us | cuBLAS us | cuBLASLt us | skinny us | x floor | config |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for shape in args.shapes.split(","):
         for name, n, k in SHAPES[shape]:
             copies = max(2, -(-L2_BYTES // (n * k * 2)))
@@ -208,9 +209,15 @@ def main() -> None:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
                 ref = torch.nn.functional.linear(x.float(), ws[0].float())
-                cublas = time_calls([lambda w=w: torch.nn.functional.linear(x, w) for w in ws])
+                blas = {}
+                for lib in ("cublas", "cublaslt"):
+                    torch.backends.cuda.preferred_blas_library(lib)
+                    blas[lib] = time_calls([lambda w=w: torch.nn.functional.linear(x, w) for w in ws])
+                torch.backends.cuda.preferred_blas_library("cublas")
+                cublas = blas["cublas"]
                 timings = []
-                for bn, bk, sk, st in itertools.product(ints(args.block_n), ints(args.block_k), ints(args.split_k), ints(args.stages)):
+                sweep = [] if args.no_triton else itertools.product(ints(args.block_n), ints(args.block_k), ints(args.split_k), ints(args.stages))
+                for bn, bk, sk, st in sweep:
                     cfg = dict(block_n=bn, block_k=bk, split_k=sk, num_stages=st)
                     out.fill_(float("nan"))
                     skinny_gemm(x, ws[0], out, **cfg)
@@ -220,11 +227,13 @@ def main() -> None:
                         continue
                     us = time_calls([lambda w=w: skinny_gemm(x, w, out, **cfg) for w in ws])
                     timings.append({**cfg, "us": round(us, 2)})
-                best = min((t for t in timings if "us" in t), key=lambda t: t["us"])
-                print(f"| {shape} | {name} | {n} x {k} | {m} | {floor_us:.2f} | {cublas:.2f} | {best['us']:.2f} | "
-                      f"{best['us'] / floor_us:.2f} | {best['block_n']}/{best['block_k']}/{best['split_k']}/{best['num_stages']} |")  # fmt: skip
+                best = min((t for t in timings if "us" in t), key=lambda t: t["us"], default=None)
+                cfg_s = "" if best is None else f"{best['block_n']}/{best['block_k']}/{best['split_k']}/{best['num_stages']}"
+                best_us = min(cublas, blas["cublaslt"], best["us"] if best else float("inf"))
+                print(f"| {shape} | {name} | {n} x {k} | {m} | {floor_us:.2f} | {cublas:.2f} | {blas['cublaslt']:.2f} | "
+                      f"{best['us'] if best else float('nan'):.2f} | {best_us / floor_us:.2f} | {cfg_s} |")  # fmt: skip
                 rows_out.append(dict(shape=shape, proj=name, n=n, k=k, rows=m, floor_us=round(floor_us, 2),
-                                     cublas_us=round(cublas, 2), best=best, timings=timings))  # fmt: skip
+                                     cublas_us=round(cublas, 2), cublaslt_us=round(blas["cublaslt"], 2), best=best, timings=timings))  # fmt: skip
             del ws
             torch.cuda.empty_cache()
     row = result_header("bench_skinny_gemm.py", copy_gbps=round(bw / 1e9), results=rows_out)

@@ -23,7 +23,7 @@ if [ "$stage" = bench ] || [ "$stage" = all ]; then
     timeout 200 python3 benchmarks/bench_attention.py $ATT --backends flashinfer,triton \
         --out "$OUT/attention.json" > "$OUT/bench_attention.md" 2> "$OUT/bench_attention.log"
     echo "bench_attention rc=$?" >> "$OUT/device.txt"
-    timeout 360 python3 benchmarks/bench_generate.py --backends flashinfer,triton --batches $BATCHES --hf-static \
+    timeout 360 python3 benchmarks/bench_generate.py --backends flashinfer,triton --batches $BATCHES --hf-static 1b \
         --out "$OUT/generate.json" > "$OUT/bench_generate.md" 2>&1
     echo "bench_generate rc=$?" >> "$OUT/device.txt"
 fi
