@@ -164,18 +164,22 @@ class ForwardBatch:
         when they differ from the count of cached tokens (user ``position_ids``).
         """
         ps = kv_pool.page_size
-        table = kv_pool.req_to_page_cpu
         bsz = len(req_pool_indices)
-        slots = [int(table[r, n // ps]) * ps + n % ps for r, n in zip(req_pool_indices, prefix_lens)]
+        b = bsz
         seq = [n + 1 for n in prefix_lens]
         # int32 fields packed: req_pool_indices | seq_lens | extend (ones) | prefix | qo_indptr
         ints = torch.tensor(
-            req_pool_indices + seq + [1] * bsz + list(prefix_lens) + list(range(bsz + 1)), dtype=torch.int32
+            list(req_pool_indices) + seq + [1] * bsz + list(prefix_lens) + list(range(bsz + 1)), dtype=torch.int32
         )
-        longs = torch.tensor(list(prefix_lens if positions is None else positions) + slots, dtype=torch.int64)  # positions | out_cache_loc
+        # int64 fields packed: positions | out_cache_loc (the new token's slot: its page from
+        # the host copy of the page table, gathered for all requests at once)
+        longs = torch.empty(2 * b, dtype=torch.int64)
+        prefix = ints[3 * b : 4 * b].long()
+        longs[:b] = prefix if positions is None else torch.tensor(positions, dtype=torch.int64)
+        pages = kv_pool.req_to_page_cpu[ints[:b].long(), prefix // ps]
+        torch.add(prefix % ps, pages.long(), alpha=ps, out=longs[b:])
         ints_d = ints.to(kv_pool.device, non_blocking=True)
         longs_d = longs.to(kv_pool.device, non_blocking=True)
-        b = bsz
         return cls(
             mode=ForwardMode.DECODE,
             input_ids=input_ids.to(kv_pool.device),

@@ -130,6 +130,7 @@ def main() -> None:
         stats = pstats.Stats(profiler, stream=text)
         stats.sort_stats("cumulative").print_stats(120)
         stats.sort_stats("tottime").print_stats(60)
+        stats.sort_stats("cumulative").print_callees("build_piecewise|compile_graph|call_module")
         with open(args.cprofile, "w") as f:
             f.write(text.getvalue())
 

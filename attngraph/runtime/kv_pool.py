@@ -142,34 +142,43 @@ class KVPool:
         return need
 
     def reserve(self, rows: list[int], new_lens: list[int]) -> None:
-        """Grow each request ``rows[i]`` to hold ``new_lens[i]`` tokens, all or nothing."""
+        """Grow each request ``rows[i]`` to hold ``new_lens[i]`` tokens, all or nothing.
+
+        One pass of host arithmetic over the rows (this runs before every decode step): only
+        rows that cross a page boundary touch the page table.
+        """
+        ps = self.page_size
+        have = self._row_pages
+        grow: list[tuple[int, int, int]] = []  # (row, pages held, pages wanted)
+        need = 0
         for row, n in zip(rows, new_lens):
-            if row not in self._row_pages:
+            held = have.get(row)
+            if held is None:
                 raise ValueError(f"request row {row} is not allocated")
-            if n > self.max_context_len:
-                raise KVCacheFullError(
-                    f"a request needs {n} tokens of KV cache but max_context_len is "
-                    f"{self.max_context_len}; raise CompileConfig.max_context_len"
-                )
-        need = self.pages_needed(rows, new_lens)
+            want = -(-n // ps)
+            if want > held:
+                grow.append((row, held, want))
+                need += want - held
+        longest = max(new_lens, default=0)
+        if longest > self.max_context_len:
+            raise KVCacheFullError(
+                f"a request needs {longest} tokens of KV cache but max_context_len is "
+                f"{self.max_context_len}; raise CompileConfig.max_context_len"
+            )
+        if not grow:
+            return
         if need > len(self._free_pages):
             raise KVCacheFullError(
-                f"the KV pool needs {need} more pages ({need * self.page_size} tokens) but only "
-                f"{len(self._free_pages)} of {self.num_pages} are free (page_size={self.page_size}); "
+                f"the KV pool needs {need} more pages ({need * ps} tokens) but only "
+                f"{len(self._free_pages)} of {self.num_pages} are free (page_size={ps}); "
                 "raise CompileConfig.kv_cache_tokens or kv_memory_fraction, or shorten the requests"
             )
-        changed: list[int] = []
-        for row, n in zip(rows, new_lens):
-            have = self._row_pages[row]
-            want = math.ceil(n / self.page_size)
-            if want > have:
-                pages = [self._free_pages.pop() for _ in range(want - have)]
-                self.req_to_page_cpu[row, have:want] = torch.tensor(pages, dtype=torch.int32)
-                self._row_pages[row] = want
-                changed.append(row)
-        if changed:
-            idx = torch.tensor(changed, dtype=torch.long)
-            self.req_to_page[idx.to(self.device)] = self.req_to_page_cpu[idx].to(self.device)
+        for row, held, want in grow:
+            pages = [self._free_pages.pop() for _ in range(want - held)]
+            self.req_to_page_cpu[row, held:want] = torch.tensor(pages, dtype=torch.int32)
+            have[row] = want
+        idx = torch.tensor([row for row, _, _ in grow], dtype=torch.long)
+        self.req_to_page[idx.to(self.device)] = self.req_to_page_cpu[idx].to(self.device)
 
     def truncate(self, row: int, num_tokens: int) -> None:
         """Keep the pages of the first ``num_tokens`` tokens of request ``row`` and return the
