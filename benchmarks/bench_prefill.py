@@ -187,8 +187,8 @@ def main() -> None:
                 rows.append(dict(impl=impl, batch=b, tokens=n, prefill_ms=t, floor_ms=floor_ms(b * n, b)))
                 print(rows[-1], flush=True)
             kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
-            ttft = per_call_ms(lambda: m.generate(prompt, max_new_tokens=1, **kw), 10)
-            gen = per_call_ms(lambda: m.generate(prompt, max_new_tokens=65, **kw), 3)
+            ttft = per_call_ms(lambda m=m: m.generate(prompt, max_new_tokens=1, **kw), 10)
+            gen = per_call_ms(lambda m=m: m.generate(prompt, max_new_tokens=65, **kw), 3)
         rows.append(dict(
             impl=impl, ttft_ms_1x128=ttft, decode_ms_batch1=(gen - ttft) / 64, accelerate_s=seconds,
             held_beyond_kv_pool_GiB=held / 2**30, compilations_after_accelerate=runner.num_compilations - compiles,

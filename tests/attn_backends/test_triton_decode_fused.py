@@ -13,39 +13,22 @@ the new K/V runs after the one that attends to them.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
-import os
 import random
 import warnings
 
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from attngraph.attn_backends.triton_ops import decode_attention, extend_attention  # noqa: E402
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(decode_attention._decode_stage1_kernel, InterpretedFunction):
-        # Another test module imported the kernels before the variable was set: rebuild them.
-        import attngraph.attn_backends.triton_backend as _tb
-        import attngraph.attn_backends.triton_ops as _ops
-
-        for _mod in (decode_attention, extend_attention, _ops, _tb):
-            importlib.reload(_mod)
+# Imported first: without CUDA it sets TRITON_INTERPRET and (re)builds the kernels for the interpreter.
+from .test_triton_backend import layer_for, make_step, reference  # noqa: E402, I001
 
 from attngraph.attn_backends.base import ModelAttentionSpec  # noqa: E402
 from attngraph.attn_backends.triton_backend import TritonBackend  # noqa: E402
+from attngraph.attn_backends.triton_ops import decode_attention  # noqa: E402
 from attngraph.forward_batch import ForwardMode  # noqa: E402
-
-from .test_triton_backend import layer_for, make_step, reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NAN = float("nan")

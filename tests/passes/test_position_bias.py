@@ -14,7 +14,6 @@ import itertools
 import pytest
 import sympy
 import torch
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from attngraph.passes.position_bias import prove_bias, split_bias
 from attngraph.passes.symbolic_mask import I, ElementInterpreter, NotProvable

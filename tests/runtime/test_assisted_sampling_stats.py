@@ -9,8 +9,6 @@ model), and the draft is checked to be far from it, so that a verify step whose 
 wrong at any row (or a loop that took the draft's tokens) would show.
 """
 
-import copy
-
 import pytest
 import torch
 import transformers

@@ -27,7 +27,7 @@ from attngraph.runtime.model_runner import ModelRunner
 from attngraph.runtime.paged_cache import PagedCache
 
 from ..hf_models import build_model
-from .test_generate import GREEDY, PAD, left_padded_batch
+from .test_generate import GREEDY, left_padded_batch
 
 GEN = {**GREEDY, "max_new_tokens": 6}
 
@@ -189,7 +189,7 @@ def test_kv_pool_write_converts_dtype(src_dtype):
 
 def test_model_on_meta_device_is_refused_and_left_untouched():
     model = build_model("llama", "sdpa").to("meta")
-    with pytest.raises(AttnGraphError, match="meta") as err:
+    with pytest.raises(AttnGraphError, match="meta"):
         attngraph.accelerate(model, attention_backend="torch_native")
     assert "generate" not in vars(model) and "forward" not in vars(model)
     assert getattr(model, "_attngraph_state", None) is None
