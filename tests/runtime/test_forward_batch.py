@@ -29,3 +29,8 @@ def test_decode_fast_path_equals_general_build(page_size):
     for name in FIELDS:
         a, b = getattr(general, name), getattr(fast, name)
         assert a.dtype == b.dtype and torch.equal(a, b), name
+    # Positions other than the cached counts (user position_ids) change only the positions.
+    shifted = [n + rng.randint(0, 9) for n in lens]
+    moved = ForwardBatch.decode(pool, rows, lens, tokens, shifted)
+    assert moved.positions.tolist() == shifted
+    assert torch.equal(moved.out_cache_loc, general.out_cache_loc)
