@@ -89,14 +89,20 @@ class AttnGraphBackend:
             if self.compile_hook is not None:
                 compiled = self.compile_hook(gm, inputs, input_names)
             else:
-                compiled = compile_graph(gm, inputs, self.config.resolved_piece_compiler(device_type))
+                compiled = compile_graph(
+                    gm, inputs, self.config.resolved_piece_compiler(device_type),
+                    self.config.resolved_inductor_options(device_type),
+                )
             for fused in self.fused_linears[-1:] if extra else ():
                 fused.share_storage()
             if not extra:
                 return compiled
             return lambda *args: compiled(*args, *extra)  # the fused weights follow Dynamo's inputs
         fu.fill_example_values(gm)
-        compiled = compile_graph(gm, example_inputs, self.config.resolved_piece_compiler(device_type))
+        compiled = compile_graph(
+            gm, example_inputs, self.config.resolved_piece_compiler(device_type),
+            self.config.resolved_inductor_options(device_type),
+        )
         backend = self._dense_backend(sites, device_type)
 
         def run(*args: Any) -> Any:
@@ -152,21 +158,16 @@ class AttnGraphBackend:
         return backend
 
 
-#: Inductor options for graphs on CUDA devices. ``combo_kernels``: independent pointwise
-#: kernels of one graph run as one launch; in a decode step that is each layer's RoPE of q, RoPE
-#: of k and the copy of v out of the fused q/k/v projection (H200, Llama-3.2-1B shape, batch 1:
-#: 243 -> 212 kernels, 1.118 -> 1.081 ms of kernel time per step; `triton.enable_pdl` and
-#: `coordinate_descent_tuning` changed nothing measurable there).
-CUDA_INDUCTOR_OPTIONS: dict[str, Any] = {"combo_kernels": True}
-
-
-def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], piece_compiler: str) -> Callable:
-    """Compile a (lowered) graph with inductor, or return it to run as is (``"eager"``)."""
+def compile_graph(
+    gm: fx.GraphModule, example_inputs: list[Any], piece_compiler: str, inductor_options: dict[str, Any] | None = None
+) -> Callable:
+    """Compile a (lowered) graph with inductor, or return it to run as is (``"eager"``).
+    ``inductor_options``: ``torch._inductor.config`` settings for this compile only
+    (`CompileConfig.resolved_inductor_options`)."""
     if piece_compiler == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        on_cuda = any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
-        return compile_fx(gm, example_inputs, config_patches=dict(CUDA_INDUCTOR_OPTIONS) if on_cuda else None)
+        return compile_fx(gm, example_inputs, config_patches=dict(inductor_options) if inductor_options else None)
     return gm.forward
 
 

@@ -127,7 +127,10 @@ class ModelRunner:
 
             self._piecewise_state = PiecewiseState(debug=bool(config.debug_dump_dir))
             compiler = "eager" if self.graph_mode == "breakable" else config.resolved_piece_compiler(self.device.type)
-            hook = functools.partial(build_piecewise, piece_compiler=compiler, state=self._piecewise_state)
+            hook = functools.partial(
+                build_piecewise, piece_compiler=compiler, state=self._piecewise_state,
+                inductor_options=config.resolved_inductor_options(self.device.type),
+            )
         self.ragged = RaggedModel(model, config, compile_hook=hook)
         self.ragged.backend.on_sites = self._on_sites_checked
 

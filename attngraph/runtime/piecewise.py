@@ -202,8 +202,10 @@ def build_piecewise(
     input_names: dict[str, str],
     piece_compiler: str,
     state: PiecewiseState,
+    inductor_options: dict[str, Any] | None = None,
 ) -> Callable:
     """Split ``gm`` at attention and compile its pieces (the compiler's hook; see module docstring).
+    ``inductor_options``: `compile_graph`'s settings for inductor.
 
     Returns the split module: same inputs and outputs as ``gm``.
     """
@@ -238,7 +240,7 @@ def build_piecewise(
                     outputs_like[key] = _fresh_like(out, args)
             fn = by_structure.get(key) if key is not None else None
             if fn is None:
-                fn = compile_graph(sub, list(args), piece_compiler)
+                fn = compile_graph(sub, list(args), piece_compiler, inductor_options)
                 if key is not None:
                     by_structure[key] = fn
             compiled[target] = fn

@@ -24,7 +24,7 @@ def _compiled_graphs(monkeypatch, arch: str) -> list[torch.fx.GraphModule]:
     """The lowered graphs `accelerate` passes to the piece compiler (run eagerly here)."""
     seen = []
 
-    def record(gm, example_inputs, piece_compiler):
+    def record(gm, example_inputs, piece_compiler, inductor_options=None):
         seen.append(gm)
         return gm.forward
 
