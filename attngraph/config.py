@@ -261,7 +261,7 @@ def _inductor_options(options: Any) -> tuple[tuple[str, Any], ...]:
         raise ConfigError(f"inductor_options must be a dict of torch._inductor.config settings, got {options!r}") from None
     import torch._inductor.config as inductor_config
 
-    for name, _ in pairs:
+    for name, value in pairs:
         obj = inductor_config
         for part in str(name).split("."):
             if not hasattr(obj, part):
@@ -270,4 +270,6 @@ def _inductor_options(options: Any) -> tuple[tuple[str, Any], ...]:
                     "names are dotted paths such as 'combo_kernels' or 'triton.cudagraphs'"
                 )
             obj = getattr(obj, part)
+        if isinstance(obj, bool) and not isinstance(value, bool):  # "no" would read as True
+            raise ConfigError(f"inductor_options: {name!r} is a True/False setting, got {value!r}")
     return tuple(pairs)

@@ -164,12 +164,11 @@ class ForwardBatch:
         when they differ from the count of cached tokens (user ``position_ids``).
         """
         ps = kv_pool.page_size
-        bsz = len(req_pool_indices)
-        b = bsz
+        b = len(req_pool_indices)
         seq = [n + 1 for n in prefix_lens]
         # int32 fields packed: req_pool_indices | seq_lens | extend (ones) | prefix | qo_indptr
         ints = torch.tensor(
-            list(req_pool_indices) + seq + [1] * bsz + list(prefix_lens) + list(range(bsz + 1)), dtype=torch.int32
+            list(req_pool_indices) + seq + [1] * b + list(prefix_lens) + list(range(b + 1)), dtype=torch.int32
         )
         # int64 fields packed: positions | out_cache_loc (the new token's slot: its page from
         # the host copy of the page table, gathered for all requests at once)

@@ -103,6 +103,20 @@ def make_step(prefix_lens, extend_lens, *, hq, hkv, d, page_size, dtype, dv=None
     return pool, batch, q, k, v
 
 
+def capture_step(warm_up, step):
+    """Run ``warm_up()`` on a side stream (the kernels compile outside the capture), then
+    record ``step()`` in a CUDA graph. Returns ``(graph, step's output)``."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        warm_up()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
 def layer_for(hq, hkv, d, *, dv=None, causal=True, window_left=-1, logit_cap=0.0, layer_id=0):
     return AttentionLayer(layer_id, hq, hkv, d, dv or d, d**-0.5, causal, window_left, logit_cap)
 
@@ -600,14 +614,8 @@ def test_gpu_decode_cuda_graph_replay():
     pool, batch, q, k, v = make_step([s - 1 for s in lens_a], [1] * bsz, hq=hq, hkv=hkv, d=d, page_size=16,
                                      dtype=torch.bfloat16, mode=ForwardMode.DECODE)  # fmt: skip
     backend.init_forward_metadata(batch)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        backend.forward(q, k, v, layer, batch)  # warm up (compiles the kernels)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = backend.forward(q, k, v, layer, batch, save_kv_cache=False)
+    graph, out = capture_step(lambda: backend.forward(q, k, v, layer, batch),
+                              lambda: backend.forward(q, k, v, layer, batch, save_kv_cache=False))  # fmt: skip
     # Shorter lengths over the same pages, written in place into the captured tensors.
     lens_b = [s // 2 + 1 for s in lens_a]
     batch.seq_lens.copy_(torch.tensor(lens_b, dtype=torch.int32))

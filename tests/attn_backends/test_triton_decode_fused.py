@@ -23,7 +23,7 @@ import torch
 pytest.importorskip("triton")
 
 # Imported first: without CUDA it sets TRITON_INTERPRET and (re)builds the kernels for the interpreter.
-from .test_triton_backend import layer_for, make_step, reference  # noqa: E402, I001
+from .test_triton_backend import capture_step, layer_for, make_step, reference  # noqa: E402, I001
 
 from attngraph.attn_backends.base import ModelAttentionSpec  # noqa: E402
 from attngraph.attn_backends.triton_backend import TritonBackend  # noqa: E402
@@ -441,14 +441,8 @@ def test_gpu_fused_decode_cuda_graph_replay():
     pool, batch, q, k, v = make_step([s - 1 for s in lens], [1] * bsz, **kw)
     pool_b, batch_b, *_ = make_step([s - 1 for s in lens], [1] * bsz, **kw)
     backend.init_forward_metadata(batch)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        backend.forward(q, k, v, layer, batch)  # warm up (compiles the kernels)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = backend.forward(q, k, v, layer, batch)
+    step = lambda: backend.forward(q, k, v, layer, batch)  # noqa: E731
+    graph, out = capture_step(step, step)
     plain = TritonBackend(spec, fused_decode=False)
     for _ in range(3):
         q.copy_(torch.randn_like(q))

@@ -25,7 +25,9 @@ def test_defaults_per_device_and_overrides():
     hash(off)  # configs stay hashable
 
 
-@pytest.mark.parametrize("bad", [{"combo_kernel": True}, {"triton.no_such_knob": 1}, ["combo_kernels"], 3])
+@pytest.mark.parametrize(
+    "bad", [{"combo_kernel": True}, {"triton.no_such_knob": 1}, ["combo_kernels"], 3, {"combo_kernels": "no"}]
+)
 def test_unknown_or_malformed_options_are_config_errors(bad):
     with pytest.raises(ConfigError, match="inductor_options"):
         CompileConfig(inductor_options=bad)
