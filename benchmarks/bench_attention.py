@@ -117,10 +117,11 @@ def make_step(batch: int, new: int, prefix: int, mode: ForwardMode, gen: torch.G
     return fb, q, k, v
 
 
-def make_backend(name: str):
+def make_backend(name: str, min_split_lens: list[int] | None = None):
     """(label, backend) pairs for ``name``. FlashInfer four times: the default (tensor-core decode
     from GQA group 4, extend design chosen per step), ``[no_tc]`` (CUDA-core decode kernel: decode
-    only), ``[paged]`` and ``[ragged_merge]`` (one extend design forced: prefill only)."""
+    only), ``[paged]`` and ``[ragged_merge]`` (one extend design forced: prefill only). Triton once
+per ``min_split_lens`` value when given (decode's shortest split)."""
     spec = ModelAttentionSpec(1, HQ, HKV, (D,), DTYPE, "cuda", PAGE)
     cls = get_backend_class(name)  # BackendUnavailableError when it cannot load
     why = cls.capabilities.why_not(spec)
@@ -133,6 +134,8 @@ def make_backend(name: str):
             ("flashinfer[paged]", cls(spec, extend_impl="paged")),
             ("flashinfer[ragged_merge]", cls(spec, extend_impl="ragged_merge")),
         ]
+    if name == "triton" and min_split_lens:
+        return [(f"triton[min_split={n}]", cls(spec, min_split_len=n)) for n in min_split_lens]
     return [(name, cls(spec))]
 
 
@@ -185,21 +188,30 @@ def markdown(rows, copy_bw) -> str:
 
 
 def main() -> None:
+    global D
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one decode and one prefill shape")
     ap.add_argument("--backends", default="flashinfer,triton,torch_native")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/attention_<time>.json)")
+    ap.add_argument("--decode-shapes", default=None, help="decode shapes BATCHxKV_LEN,... (default: the built-in list)")
+    ap.add_argument("--decode-only", action="store_true", help="no prefill shapes")
+    ap.add_argument("--head-dim", type=int, default=D, help=f"head dim (default {D}; 64 is the 1B shape's)")
+    ap.add_argument("--min-split-lens", default=None, help="triton: one run per decode min_split_len, e.g. 16,32,64,128")
     args = ap.parse_args()
+    D = args.head_dim
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA device")
     decode_shapes = DECODE_SHAPES[:1] if args.quick else DECODE_SHAPES
-    prefill_shapes = PREFILL_SHAPES[:1] if args.quick else PREFILL_SHAPES
+    if args.decode_shapes:
+        decode_shapes = [tuple(int(v) for v in s.split("x")) for s in args.decode_shapes.split(",")]
+    prefill_shapes = [] if args.decode_only else PREFILL_SHAPES[:1] if args.quick else PREFILL_SHAPES
+    min_split_lens = [int(v) for v in args.min_split_lens.split(",")] if args.min_split_lens else None
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_bw = copy_bandwidth_gbps()
     rows = []
     for name in args.backends.split(","):
         try:
-            backends = make_backend(name)
+            backends = make_backend(name, min_split_lens)
         except Exception as exc:  # a backend that cannot load is reported, not fatal
             print(f"skipping {name}: {exc}", file=sys.stderr)
             rows.append(dict(op="-", shape=[], backend=name, error=str(exc)))
