@@ -27,6 +27,10 @@ def default_capture_sizes() -> tuple[int, ...]:
 #: changed nothing measurable there and are left off.
 CUDA_INDUCTOR_OPTIONS: dict[str, Any] = {"combo_kernels": True}
 
+#: Inductor options added for the compiles of exact token counts (``exact_token_counts``):
+#: coordinate-descent tuning of the reductions their skinny products become.
+EXACT_INDUCTOR_OPTIONS: dict[str, Any] = {"coordinate_descent_tuning": True}
+
 
 def default_num_tokens() -> tuple[int, ...]:
     """Token counts the prefill graphs are captured for: powers of two from 8 to 1024."""
@@ -90,6 +94,15 @@ class CompileConfig:
         Settings of ``torch._inductor.config`` (dotted names, e.g. ``{"combo_kernels": False}``)
         applied to attngraph's inductor compiles only. ``None``: `CUDA_INDUCTOR_OPTIONS` on CUDA,
         inductor's own defaults elsewhere; ``{}``: inductor's defaults everywhere.
+    exact_token_counts:
+        Token counts whose steps run graph pieces compiled for exactly that many tokens
+        (`compiler.specialize`, with `EXACT_INDUCTOR_OPTIONS`), compiled at their first use
+        (before the CUDA graphs of the size are captured); other counts run the pieces
+        compiled once for any count. Projections of at most 2 token rows become reductions of
+        inductor's own that read each weight once (cuBLAS runs them as GEMM tiles). Applies
+        where the graph is split at attention (``cuda_graph`` ``"full_and_piecewise"`` and
+        ``"piecewise"``) with inductor. ``None``: ``(2,)`` there (a decode step of one or two
+        requests: the ragged forward pads one token to two), ``()`` elsewhere.
     lower_attention:
         Set False to run the passes for reporting only (nothing rewritten).
     deterministic:
@@ -130,6 +143,7 @@ class CompileConfig:
     trace_tokens: int | None = None
     piece_compiler: str = "auto"
     inductor_options: Any = None
+    exact_token_counts: tuple[int, ...] | None = None
     lower_attention: bool = True
     deterministic: bool = False
     fuse_linears: bool = True
@@ -154,6 +168,14 @@ class CompileConfig:
             raise ConfigError(f"piece_compiler={self.piece_compiler!r}; choose one of {PIECE_COMPILERS}")
         if self.inductor_options is not None:
             object.__setattr__(self, "inductor_options", _inductor_options(self.inductor_options))
+        if self.exact_token_counts is not None:
+            try:
+                counts = tuple(self.exact_token_counts)
+            except TypeError:
+                raise ConfigError(f"exact_token_counts must be a tuple of positive ints, got {self.exact_token_counts!r}") from None
+            if any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
+                raise ConfigError(f"exact_token_counts must be positive ints, got {counts!r}")
+            object.__setattr__(self, "exact_token_counts", tuple(sorted(set(counts))))
         for fname in ("cuda_graph_capture_sizes", "cuda_graph_num_tokens"):
             sizes = tuple(getattr(self, fname))
             if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
@@ -207,6 +229,17 @@ class CompileConfig:
         if self.inductor_options is None:
             return dict(CUDA_INDUCTOR_OPTIONS) if device_type == "cuda" else {}
         return dict(self.inductor_options)
+
+    def resolved_exact_token_counts(self, device_type: str) -> tuple[int, ...]:
+        """Token counts with compiles of their own on ``device_type`` (see ``exact_token_counts``)."""
+        if self.exact_token_counts is not None:
+            return self.exact_token_counts
+        inductor = self.resolved_piece_compiler(device_type) == "inductor"
+        return (2,) if device_type == "cuda" and inductor else ()
+
+    def resolved_exact_inductor_options(self, device_type: str) -> dict[str, Any]:
+        """The inductor settings of the exact-count compiles on ``device_type``."""
+        return {**self.resolved_inductor_options(device_type), **EXACT_INDUCTOR_OPTIONS}
 
     def resolved_cuda_graph(self, device_type: str) -> str:
         """The graph mode on ``device_type``: ``"auto"`` resolved; a mode the device cannot

@@ -130,6 +130,8 @@ class ModelRunner:
             hook = functools.partial(
                 build_piecewise, piece_compiler=compiler, state=self._piecewise_state,
                 inductor_options=config.resolved_inductor_options(self.device.type),
+                exact_token_counts=config.resolved_exact_token_counts(self.device.type),
+                exact_inductor_options=config.resolved_exact_inductor_options(self.device.type),
             )
         self.ragged = RaggedModel(model, config, compile_hook=hook)
         self.ragged.backend.on_sites = self._on_sites_checked

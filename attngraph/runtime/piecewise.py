@@ -25,6 +25,7 @@ graph was captured reading.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -34,6 +35,7 @@ from torch import fx
 
 from ..compiler.backend import compile_graph
 from ..compiler.ragged_check import ROW_INDEX_INPUTS, TOKEN_INPUTS
+from ..compiler.specialize import TokenCountSpecialized, compile_exact, free_symbols, token_axis
 from ..compiler.split import ATTENTION, ROWS, STATIC, is_attention_node, split_at_attention
 from ..errors import CaptureError
 from ..ops import attention_impl, paged_attention_into
@@ -203,9 +205,13 @@ def build_piecewise(
     piece_compiler: str,
     state: PiecewiseState,
     inductor_options: dict[str, Any] | None = None,
+    exact_token_counts: tuple[int, ...] = (),
+    exact_inductor_options: dict[str, Any] | None = None,
 ) -> Callable:
     """Split ``gm`` at attention and compile its pieces (the compiler's hook; see module docstring).
-    ``inductor_options``: `compile_graph`'s settings for inductor.
+    ``inductor_options``: `compile_graph`'s settings for inductor. ``exact_token_counts``: token
+    counts whose calls of an inductor-compiled static piece run a compile for exactly that size
+    (`compiler.specialize.TokenCountSpecialized`, with ``exact_inductor_options``).
 
     Returns the split module: same inputs and outputs as ``gm``.
     """
@@ -240,7 +246,17 @@ def build_piecewise(
                     outputs_like[key] = _fresh_like(out, args)
             fn = by_structure.get(key) if key is not None else None
             if fn is None:
+                axis = token_axis(list(args), token_symbols) if exact_token_counts and capturable[target] else None
+                exact = None
+                if axis is not None and kinds[target] == STATIC and piece_compiler == "inductor":
+                    exact = TokenCountSpecialized(
+                        sub, None, axis, exact_token_counts,
+                        functools.partial(compile_exact, inductor_options=exact_inductor_options),
+                        name=f"piecewise {target}",
+                    )  # copies the graph before the dynamic compile below
                 fn = compile_graph(sub, list(args), piece_compiler, inductor_options)
+                if exact is not None:
+                    exact.dynamic, fn = fn, exact
                 if key is not None:
                     by_structure[key] = fn
             compiled[target] = fn
@@ -314,25 +330,6 @@ def _fresh_like(out: Any, args: Any) -> Callable[[], Any] | None:
         return tree_unflatten(new, spec)
 
     return make
-
-
-def free_symbols(values: Any) -> set:
-    """Symbols in the sizes and strides of fake tensors and in symbolic scalars."""
-    found: set = set()
-
-    def add(x: Any) -> None:
-        if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            found.update(x.node.expr.free_symbols)
-
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            for d in (*v.shape, *v.stride(), v.storage_offset()):
-                add(d)
-        elif isinstance(v, (tuple, list)):
-            found |= free_symbols(v)
-        else:
-            add(v)
-    return found
 
 
 def _is_named(node: fx.Node, input_names: dict[str, str], names: tuple[str, ...]) -> bool:

@@ -219,3 +219,52 @@ def test_capture_dummy_requests_stay_within_one_table_row():
     logits = runner.forward(batch)  # the reference backend indexes the table: no row overrun
     assert logits.shape == (3, model.config.vocab_size) and torch.isfinite(logits).all()
     assert runner.pool.num_used_pages == 0
+
+
+def test_exact_token_counts_run_pieces_compiled_for_that_size(monkeypatch):
+    """With inductor pieces and ``exact_token_counts=(2,)``, a decode step of one request (two
+    token rows after padding) runs pieces compiled for exactly two tokens, the skinny products
+    as reductions; its logits match the pieces compiled for any count. CUDA is where the
+    runtime uses them; the CPU stands in here."""
+    from attngraph.compiler import specialize
+    from attngraph.runtime import piecewise
+
+    exact_calls = []
+
+    class OnCpu(specialize.TokenCountSpecialized):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "devices": ("cpu",)})
+            compile_exact = self.compile_exact
+
+            def counted(gm, fakes):
+                fn = compile_exact(gm, fakes)
+                return lambda *a: exact_calls.append(len(a)) or fn(*a)
+
+            self.compile_exact = counted
+
+    monkeypatch.setattr(piecewise, "TokenCountSpecialized", OnCpu)
+    config = CompileConfig(attention_backend="torch_native", page_size=4, kv_cache_tokens=256, max_requests=2)
+    model = build_model("llama", "sdpa", seed=8)
+    runner = ModelRunner(model, config)
+    state = PiecewiseState()
+    hook = functools.partial(
+        build_piecewise, piece_compiler="inductor", state=state, exact_token_counts=(2,),
+        exact_inductor_options=config.resolved_exact_inductor_options("cuda"),
+    )
+    runner.ragged = RaggedModel(model, config, compile_hook=hook)
+    runner.ragged.backend.on_sites = runner._on_sites_checked
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, model.config.vocab_size, (7,), generator=g)
+    pool = runner.pool
+    row = pool.alloc_request()
+    pool.reserve([row], [7])
+    exact_calls.clear()  # the compile's own dummy step has two tokens too
+    prefill = runner.forward(ForwardBatch.build(pool, [row], [0], [6], ids[:6]))
+    assert not exact_calls  # six tokens: the pieces compiled for any count
+    decode = runner.forward(ForwardBatch.build(pool, [row], [6], [1], ids[6:]))
+    assert all(isinstance(p.compiled, OnCpu) and len(p.compiled.exact) == 1 for p in state.pieces)
+    assert len(exact_calls) == len(state.pieces)
+    with torch.no_grad():
+        want = model(ids[None]).logits[0]
+    torch.testing.assert_close(prefill[0], want[5], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(decode[0], want[6], rtol=1e-4, atol=1e-4)
