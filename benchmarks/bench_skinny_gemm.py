@@ -190,6 +190,16 @@ def inductor_static(fn):
     return torch.compile(fn, dynamic=False, options={"coordinate_descent_tuning": True})
 
 
+def attngraph_exact(fn, *args):
+    """``fn`` compiled as attngraph compiles a piece for an exact token count
+    (`compiler.specialize.compile_exact`: skinny products as reductions, rows innermost)."""
+    from attngraph.compiler.specialize import compile_exact, static_fakes
+    from attngraph.config import EXACT_INDUCTOR_OPTIONS
+
+    gm = torch.fx.symbolic_trace(fn)
+    return compile_exact(gm, static_fakes(gm, args), EXACT_INDUCTOR_OPTIONS)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="1b,8b")
@@ -199,7 +209,8 @@ def main() -> None:
     p.add_argument("--split-k", default="1,2,4,8")
     p.add_argument("--stages", default="3,4")
     p.add_argument("--no-triton", action="store_true", help="only the BLAS libraries (cuBLAS, cuBLASLt)")
-    p.add_argument("--inductor", action="store_true", help="also inductor at static shapes (coordinate-descent tuning)")
+    p.add_argument("--inductor", action="store_true",
+                   help="also inductor at static shapes (coordinate-descent tuning) and attngraph's exact-count compile")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.inductor:  # one compile per (shape, rows)
@@ -210,8 +221,8 @@ def main() -> None:
     bw = copy_bandwidth()
     torch.manual_seed(0)
     rows_out = []
-    print("| shape | proj | N x K | rows | floor us | cuBLAS us | cuBLASLt us | skinny us | inductor us | x floor | config |")
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("| shape | proj | N x K | rows | floor us | cuBLAS us | cuBLASLt us | skinny us | inductor us | exact us | x floor | config |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for shape in args.shapes.split(","):
         for name, n, k in SHAPES[shape]:
             copies = max(2, -(-L2_BYTES // (n * k * 2)))
@@ -227,18 +238,25 @@ def main() -> None:
                     blas[lib] = time_calls([lambda w=w: torch.nn.functional.linear(x, w) for w in ws])
                 torch.backends.cuda.preferred_blas_library("cublas")
                 cublas = blas["cublas"]
-                ind_us, gated = float("nan"), None
+                ind_us, exact_us, gated = float("nan"), float("nan"), None
                 if args.inductor:
+                    tol = 0.05 * ref.abs().max().item()
                     lin = inductor_static(lambda x, w: torch.nn.functional.linear(x, w))
                     err = (lin(x, ws[0]).float() - ref).abs().max().item()
-                    ind_us = time_calls([lambda w=w: lin(x, w) for w in ws]) if err < 0.05 * ref.abs().max().item() else float("nan")
+                    ind_us = time_calls([lambda w=w: lin(x, w) for w in ws]) if err < tol else float("nan")
+                    ex = attngraph_exact(lambda x, w: torch.nn.functional.linear(x, w), x, ws[0])
+                    got = ex(x, ws[0])
+                    err = ((got[0] if isinstance(got, (tuple, list)) else got).float() - ref).abs().max().item()
+                    exact_us = time_calls([lambda w=w: ex(x, w) for w in ws]) if err < tol else float("nan")
                     if name == "down":  # the MLP's SiLU(gate) * up as the GEMM's producer
                         g, u = torch.randn(m, k, device="cuda", dtype=torch.bfloat16), torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                         mlp = lambda g, u, w: torch.nn.functional.linear(torch.nn.functional.silu(g) * u, w)  # noqa: E731
                         mlp_ind = inductor_static(mlp)
+                        mlp_ex = attngraph_exact(mlp, g, u, ws[0])
                         gated = dict(eager_us=round(time_calls([lambda w=w: mlp(g, u, w) for w in ws]), 2),
-                                     inductor_us=round(time_calls([lambda w=w: mlp_ind(g, u, w) for w in ws]), 2))  # fmt: skip
-                        print(f"| {shape} | silu(gate)*up -> down | {n} x {k} | {m} | {floor_us:.2f} | eager {gated['eager_us']:.2f} | | | {gated['inductor_us']:.2f} | | |")
+                                     inductor_us=round(time_calls([lambda w=w: mlp_ind(g, u, w) for w in ws]), 2),
+                                     exact_us=round(time_calls([lambda w=w: mlp_ex(g, u, w) for w in ws]), 2))  # fmt: skip
+                        print(f"| {shape} | silu(gate)*up -> down | {n} x {k} | {m} | {floor_us:.2f} | eager {gated['eager_us']:.2f} | | | {gated['inductor_us']:.2f} | {gated['exact_us']:.2f} | | |")
                 timings = []
                 sweep = [] if args.no_triton else itertools.product(ints(args.block_n), ints(args.block_k), ints(args.split_k), ints(args.stages))
                 for bn, bk, sk, st in sweep:
@@ -255,10 +273,10 @@ def main() -> None:
                 cfg_s = "" if best is None else f"{best['block_n']}/{best['block_k']}/{best['split_k']}/{best['num_stages']}"
                 best_us = min(cublas, blas["cublaslt"], best["us"] if best else float("inf"), ind_us if ind_us == ind_us else float("inf"))
                 print(f"| {shape} | {name} | {n} x {k} | {m} | {floor_us:.2f} | {cublas:.2f} | {blas['cublaslt']:.2f} | "
-                      f"{best['us'] if best else float('nan'):.2f} | {ind_us:.2f} | {best_us / floor_us:.2f} | {cfg_s} |")  # fmt: skip
+                      f"{best['us'] if best else float('nan'):.2f} | {ind_us:.2f} | {exact_us:.2f} | {best_us / floor_us:.2f} | {cfg_s} |")  # fmt: skip
                 rows_out.append(dict(shape=shape, proj=name, n=n, k=k, rows=m, floor_us=round(floor_us, 2),
                                      cublas_us=round(cublas, 2), cublaslt_us=round(blas["cublaslt"], 2), best=best, timings=timings,
-                                     inductor_static_us=round(ind_us, 2), gated_down=gated))  # fmt: skip
+                                     inductor_static_us=round(ind_us, 2), exact_us=round(exact_us, 2), gated_down=gated))  # fmt: skip
             del ws
             torch.cuda.empty_cache()
     row = result_header("bench_skinny_gemm.py", copy_gbps=round(bw / 1e9), results=rows_out)

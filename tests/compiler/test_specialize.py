@@ -150,10 +150,12 @@ def test_skinny_decomposition_keeps_wide_products_and_bias():
 
 
 def test_config_resolution_and_validation():
-    cfg = CompileConfig()
-    assert cfg.resolved_exact_token_counts("cuda") == (2,)
-    assert cfg.resolved_exact_token_counts("cpu") == ()
-    assert CompileConfig(piece_compiler="eager").resolved_exact_token_counts("cuda") == ()
+    assert CompileConfig().resolved_exact_token_counts("cuda") == ()  # off by default
+    on = CompileConfig(exact_token_counts=(2,))
+    assert on.resolved_exact_token_counts("cuda") == (2,)
+    assert on.resolved_exact_token_counts("cpu") == ()  # CPU pieces run eager
+    assert on.replace(piece_compiler="eager").resolved_exact_token_counts("cuda") == ()
+    assert on.replace(piece_compiler="inductor").resolved_exact_token_counts("cpu") == (2,)
     assert CompileConfig(exact_token_counts=(4, 1, 1)).exact_token_counts == (1, 4)
     assert CompileConfig(exact_token_counts=()).resolved_exact_token_counts("cuda") == ()
     opts = CompileConfig(inductor_options={"combo_kernels": False}).resolved_exact_inductor_options("cuda")
