@@ -115,6 +115,24 @@ def assert_bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
     )
 
 
+def generate_teacher_forced(model, reference, ids, mask, new: int):
+    """Greedy ``model.generate`` of ``new`` tokens; every step's logits checked against HF eager
+    (``reference``) on the same prefix: within bf16 tolerance, argmax agreeing at >= 95% of
+    positions. Returns generate's output (sequences and logits)."""
+    out = model.generate(
+        ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None,
+        return_dict_in_generate=True, output_logits=True,
+    )
+    ours = torch.stack(out.logits, 1)  # [B, new, V]: logits that chose each generated token
+    full_mask = torch.cat([mask, torch.ones_like(out.sequences[:, ids.shape[1] :])], 1)
+    with torch.no_grad():
+        hf = reference(out.sequences, attention_mask=full_mask).logits[:, ids.shape[1] - 1 : -1]
+    assert_bf16_close(ours, hf)
+    agree = (ours.argmax(-1) == hf.argmax(-1)).float().mean().item()
+    assert agree >= 0.95, f"greedy choice agrees with HF eager at {agree:.1%} of positions"
+    return out
+
+
 @pytest.mark.parametrize(
     "arch,backend",
     [("llama", "flashinfer"), ("llama", "triton"), ("qwen2", "flashinfer"), ("qwen2", "triton"),
@@ -142,17 +160,7 @@ def test_accelerated_generate_on_gpu(arch, backend):
     assert_bf16_close(got[valid], want[valid])
     # Free-running generate through the decode graphs, checked step by step against HF eager.
     new = 64
-    out = model.generate(
-        ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None,
-        return_dict_in_generate=True, output_logits=True,
-    )
-    ours = torch.stack(out.logits, 1)  # [B, new, V]: logits that chose each generated token
-    full_mask = torch.cat([mask, torch.ones_like(out.sequences[:, ids.shape[1] :])], 1)
-    with torch.no_grad():
-        hf = reference(out.sequences, attention_mask=full_mask).logits[:, ids.shape[1] - 1 : -1]
-    assert_bf16_close(ours, hf)
-    agree = (ours.argmax(-1) == hf.argmax(-1)).float().mean().item()
-    assert agree >= 0.95, f"greedy choice agrees with HF eager at {agree:.1%} of positions"
+    out = generate_teacher_forced(model, reference, ids, mask, new)
     # A plain generate call takes attngraph's own decoding loop (no per-step host sync); the
     # same kernels and graphs on the same batch give the same tokens as HF's loop above.
     plain = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -178,14 +186,4 @@ def test_exact_token_count_pieces_match_hf_on_gpu():
     assert pieces and all(p.compiled.exact for p in pieces)  # compiled before the decode captures
     for lengths in ((40,), (40, 17)):
         ids, mask = batch(model.config.vocab_size, lengths)
-        out = model.generate(
-            ids, attention_mask=mask, max_new_tokens=32, do_sample=False, pad_token_id=0, eos_token_id=None,
-            return_dict_in_generate=True, output_logits=True,
-        )
-        ours = torch.stack(out.logits, 1)
-        full_mask = torch.cat([mask, torch.ones_like(out.sequences[:, ids.shape[1] :])], 1)
-        with torch.no_grad():
-            hf = reference(out.sequences, attention_mask=full_mask).logits[:, ids.shape[1] - 1 : -1]
-        assert_bf16_close(ours, hf)
-        agree = (ours.argmax(-1) == hf.argmax(-1)).float().mean().item()
-        assert agree >= 0.95, f"greedy choice agrees with HF eager at {agree:.1%} of positions"
+        generate_teacher_forced(model, reference, ids, mask, 32)
