@@ -174,9 +174,14 @@ class CompileConfig:
             try:
                 counts = tuple(self.exact_token_counts)
             except TypeError:
-                raise ConfigError(f"exact_token_counts must be a tuple of positive ints, got {self.exact_token_counts!r}") from None
+                raise ConfigError(
+                    f"exact_token_counts must be a tuple of positive ints, got {self.exact_token_counts!r}; "
+                    "e.g. exact_token_counts=(2,), or () to turn it off"
+                ) from None
             if any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
-                raise ConfigError(f"exact_token_counts must be positive ints, got {counts!r}")
+                raise ConfigError(
+                    f"exact_token_counts must be positive ints, got {counts!r}; e.g. exact_token_counts=(2,), or () to turn it off"
+                )
             object.__setattr__(self, "exact_token_counts", tuple(sorted(set(counts))))
         for fname in ("cuda_graph_capture_sizes", "cuda_graph_num_tokens"):
             sizes = tuple(getattr(self, fname))

@@ -149,6 +149,8 @@ class TokenCountSpecialized:
     """A compiled graph (``dynamic``) plus, for the token counts in ``counts``, compiles of
     ``gm`` for the exact sizes of the call (see the module docstring).
 
+    ``gm``: the graph as traced, not yet given to any compile (pass a `copy_graph_module` of
+    a graph that ``dynamic`` was compiled from: a compile may rewrite its graph in place).
     ``axis``: ``(argument, dim)`` holding the token count in the call's arguments.
     ``compile_exact(gm, fake_args)`` compiles a copy of the graph for static fake arguments.
     Calls with another count, or with the token-count argument on a device type outside
@@ -165,7 +167,7 @@ class TokenCountSpecialized:
         name: str = "graph",
         devices: Iterable[str] = ("cuda",),
     ) -> None:
-        self.graph_module = copy_graph_module(gm)  # before any compile of gm touches its graph
+        self.graph_module = gm
         self.dynamic = dynamic
         self.arg, self.dim = axis
         self.counts = frozenset(int(c) for c in counts)
@@ -183,6 +185,10 @@ class TokenCountSpecialized:
         if fn is None:
             if x.is_cuda and torch.cuda.is_current_stream_capturing():
                 # a compile (and its tuning runs) cannot happen inside a capture
+                logger.warning(
+                    "%s: first call for %d tokens is inside a CUDA graph capture; the graph records the "
+                    "compile for any count (run the size once before capturing it)", self.name, x.shape[self.dim],
+                )
                 return self.dynamic(*args)
             gm = copy_graph_module(self.graph_module)
             fn = self.compile_exact(gm, static_fakes(gm, args))

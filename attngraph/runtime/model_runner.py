@@ -133,6 +133,15 @@ class ModelRunner:
                 exact_token_counts=config.resolved_exact_token_counts(self.device.type),
                 exact_inductor_options=config.resolved_exact_inductor_options(self.device.type),
             )
+        if config.exact_token_counts and not config.resolved_exact_token_counts(self.device.type) or (
+            config.exact_token_counts and self.graph_mode not in ("piecewise", "full_and_piecewise")
+        ):
+            logger.warning(
+                "exact_token_counts=%s has no effect here (cuda_graph=%r, pieces compiled by %r): it needs the "
+                "graph split at attention with inductor, i.e. a CUDA model with cuda_graph='full_and_piecewise' "
+                "or 'piecewise'", config.exact_token_counts, self.graph_mode,
+                config.resolved_piece_compiler(self.device.type),
+            )
         self.ragged = RaggedModel(model, config, compile_hook=hook)
         self.ragged.backend.on_sites = self._on_sites_checked
 

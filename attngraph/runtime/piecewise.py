@@ -35,7 +35,7 @@ from torch import fx
 
 from ..compiler.backend import compile_graph
 from ..compiler.ragged_check import ROW_INDEX_INPUTS, TOKEN_INPUTS
-from ..compiler.specialize import TokenCountSpecialized, compile_exact, free_symbols, token_axis
+from ..compiler.specialize import TokenCountSpecialized, compile_exact, copy_graph_module, free_symbols, token_axis
 from ..compiler.split import ATTENTION, ROWS, STATIC, is_attention_node, split_at_attention
 from ..errors import CaptureError
 from ..ops import attention_impl, paged_attention_into
@@ -247,16 +247,15 @@ def build_piecewise(
             fn = by_structure.get(key) if key is not None else None
             if fn is None:
                 axis = token_axis(list(args), token_symbols) if exact_token_counts and capturable[target] else None
-                exact = None
-                if axis is not None and kinds[target] == STATIC and piece_compiler == "inductor":
-                    exact = TokenCountSpecialized(
-                        sub, None, axis, exact_token_counts,
+                exact = axis is not None and kinds[target] == STATIC and piece_compiler == "inductor"
+                traced = copy_graph_module(sub) if exact else None  # before compile_graph rewrites sub
+                fn = compile_graph(sub, list(args), piece_compiler, inductor_options)
+                if exact:
+                    fn = TokenCountSpecialized(
+                        traced, fn, axis, exact_token_counts,
                         functools.partial(compile_exact, inductor_options=exact_inductor_options),
                         name=f"piecewise {target}",
-                    )  # copies the graph before the dynamic compile below
-                fn = compile_graph(sub, list(args), piece_compiler, inductor_options)
-                if exact is not None:
-                    exact.dynamic, fn = fn, exact
+                    )
                 if key is not None:
                     by_structure[key] = fn
             compiled[target] = fn

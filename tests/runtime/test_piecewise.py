@@ -268,3 +268,16 @@ def test_exact_token_counts_run_pieces_compiled_for_that_size(monkeypatch):
         want = model(ids[None]).logits[0]
     torch.testing.assert_close(prefill[0], want[5], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(decode[0], want[6], rtol=1e-4, atol=1e-4)
+
+
+def test_exact_token_counts_where_they_cannot_apply_are_reported(caplog):
+    """On the CPU (no graph split, eager pieces) the setting does nothing: the log says so
+    and names what it needs."""
+    model = build_model("llama", "sdpa", seed=2)
+    with caplog.at_level("WARNING", logger="attngraph.runtime.model_runner"):
+        ModelRunner(model, CompileConfig(attention_backend="torch_native", exact_token_counts=(2,)))
+    assert "exact_token_counts=(2,) has no effect here" in caplog.text and "full_and_piecewise" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="attngraph.runtime.model_runner"):
+        ModelRunner(model, CompileConfig(attention_backend="torch_native"))
+    assert "exact_token_counts" not in caplog.text
