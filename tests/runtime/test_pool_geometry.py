@@ -2,9 +2,10 @@
 
 Falcon's config calls its KV heads ``num_kv_heads`` and the model reads it per layout:
 Falcon-7B (``multi_query``, old layout) caches one KV head whatever ``num_kv_heads`` says;
-Falcon-40B (``new_decoder_architecture``) broadcasts K/V to every query head before RoPE, so
-the graph (and the pool) holds ``num_attention_heads`` of them; the old layout without
-``multi_query`` is plain multi-head attention.
+Falcon-40B (``new_decoder_architecture``) broadcast K/V to every query head before RoPE up to
+transformers 5.24, so the graph (and the pool) held ``num_attention_heads`` of them; from 5.25
+it attends over its ``num_kv_heads`` groups (grouped-query attention), and the pool holds those.
+The old layout without ``multi_query`` is plain multi-head attention.
 """
 
 import copy
@@ -26,11 +27,23 @@ from ..hf_models import COMMON
 from .test_generate import PAD, left_padded_batch
 
 # layout -> (FalconConfig overrides, KV heads the model really caches); 4 query heads of dim 16
+# (None: the new decoder's, which depend on the transformers version: `cached_kv_heads`)
 FALCON_LAYOUTS = {
     "7b_multi_query": (dict(multi_query=True, new_decoder_architecture=False), 1),
-    "40b_new_decoder": (dict(new_decoder_architecture=True, num_kv_heads=2), 4),
+    "40b_new_decoder": (dict(new_decoder_architecture=True, num_kv_heads=2), None),
     "old_layout_mha": (dict(multi_query=False, new_decoder_architecture=False), 4),
 }
+
+
+def cached_kv_heads(model: torch.nn.Module, layout: str) -> int:
+    """KV heads the model's attention really attends over: the new decoder's ``num_kv_heads``
+    groups where its attention repeats them per query group (transformers >= 5.25, whose
+    module has ``num_key_value_groups``), else all query heads (K/V broadcast before RoPE)."""
+    want = FALCON_LAYOUTS[layout][1]
+    if want is not None:
+        return want
+    attn = model.transformer.h[0].self_attention
+    return attn.num_kv_heads if hasattr(attn, "num_key_value_groups") else attn.num_heads
 GREEDY = dict(max_new_tokens=6, do_sample=False, pad_token_id=PAD, eos_token_id=None)
 
 
@@ -48,7 +61,7 @@ def test_falcon_layouts_generate_like_hf(layout, impl):
     reference = copy.deepcopy(model)
     attngraph.accelerate(model, attention_backend="torch_native", page_size=4)
     runner = state_of(model).runner
-    kv_heads = FALCON_LAYOUTS[layout][1]
+    kv_heads = cached_kv_heads(reference, layout)
     assert (runner.geometry.num_layers, runner.geometry.num_q_heads) == (2, 4)
     assert (runner.geometry.num_kv_heads, runner.geometry.head_dim) == (kv_heads, 16)
     assert runner.pool.num_kv_heads == kv_heads and runner.pool.k_buffers[0].shape[2:] == (kv_heads, 16)
