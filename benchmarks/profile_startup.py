@@ -17,7 +17,11 @@ and its phases (each phase's seconds include the ones listed under it):
   variant found in Triton's disk cache takes milliseconds).
 
 Run it twice in fresh processes: the first pays inductor's and Triton's compiles (caches
-cold), the second shows what every later start costs.
+cold), the second shows what every later start costs. Python's own bytecode should be there as
+after a pip install: where the environment has none (``PYTHONDONTWRITEBYTECODE=1``, no
+``__pycache__``), compile it first, e.g. ``PYTHONPYCACHEPREFIX=/tmp/pyc python -m compileall -q
+-j 0 <site-packages> <stdlib> .`` and run with the same ``PYTHONPYCACHEPREFIX``; otherwise every
+process compiles the modules it imports from source.
 
     python benchmarks/profile_startup.py --shape 1b --out x.json
 """

@@ -171,6 +171,22 @@ def compile_graph(
     return gm.forward
 
 
+def start_compile_workers() -> None:
+    """Start inductor's compile worker processes now, ahead of the first compile (as torch's own
+    ``inductor`` backend does when Dynamo first calls it, only earlier: before the trace).
+
+    The workers take seconds to start; until they are ready, inductor compiles each kernel
+    in this process, one after the other."""
+    try:
+        from torch._inductor.async_compile import AsyncCompile, maybe_warm_pool
+    except ImportError:  # an inductor without the pool: it compiles in-process anyway
+        return
+    maybe_warm_pool()
+    submit_ready_check = getattr(AsyncCompile, "use_process_pool", None)
+    if submit_ready_check is not None:
+        submit_ready_check()  # its first call hands the pool a job, which starts the workers
+
+
 def _device_type(sites: list[AttentionSite], example_inputs: list[Any]) -> str:
     for s in sites:
         val = fu.example_value(s.q)

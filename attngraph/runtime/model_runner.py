@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -26,6 +27,24 @@ logger = logging.getLogger(__name__)
 CPU_DEFAULT_KV_TOKENS = 16384
 #: Graph modes that split the graph at attention (`runtime.piecewise`).
 PIECEWISE_MODES = ("piecewise", "full_and_piecewise", "breakable")
+
+
+class _CapturePlan(NamedTuple):
+    """The graphs `ModelRunner._capture_graphs` captures."""
+
+    buckets: tuple[int, ...]  # token counts of the prefill graphs (whole-step or piecewise)
+    capture_sizes: tuple[int, ...]  # batch sizes of the whole-step decode graphs
+    full: bool  # decode steps as whole-step graphs
+    extend_full: bool  # prefill steps as whole-step graphs (else pieces, in a piecewise mode)
+    piecewise: bool  # the graph is split at attention (a piecewise mode)
+
+    @property
+    def prefill_captured(self) -> bool:
+        return bool(self.buckets)
+
+    @property
+    def decode_captured(self) -> bool:
+        return bool(self.capture_sizes)
 #: Fraction of free device memory the pool takes on CUDA when the config gives no size.
 CUDA_DEFAULT_KV_FRACTION = 0.4
 MAX_DEFAULT_CONTEXT = 32768
@@ -142,6 +161,10 @@ class ModelRunner:
                 "or 'piecewise'", config.exact_token_counts, self.graph_mode,
                 config.resolved_piece_compiler(self.device.type),
             )
+        if self.device.type == "cuda" and self.graph_mode != "breakable" and config.resolved_piece_compiler("cuda") == "inductor":
+            from ..compiler.backend import start_compile_workers
+
+            start_compile_workers()  # ready by the time the trace ends and the graphs compile
         self.ragged = RaggedModel(model, config, compile_hook=hook)
         self.ragged.backend.on_sites = self._on_sites_checked
 
@@ -273,17 +296,48 @@ class ModelRunner:
     def warmup(self) -> None:
         """Compile now (a dummy sequence of `trace_tokens`, which sizes the pool; then a prefill and a
         decode step of a dummy request on the chosen backend) so errors surface at `accelerate`
-        time; then capture the CUDA graphs ``graph_mode`` asks for."""
+        time; then capture the CUDA graphs ``graph_mode`` asks for.
+
+        A dummy step is left out where a capture covers its path: every capture runs its step
+        once before recording (`capture_step`), which compiles and checks the same code; the
+        eager step would only compile kernel variants (Triton's non-graph prefill) that steps
+        served by graphs never use."""
         pool = self.pool
-        row = pool.alloc_request()
-        try:
-            pool.reserve([row], [3])
-            ids = torch.zeros(3, dtype=torch.long, device=self.device)
-            self.forward(ForwardBatch.build(pool, [row], [0], [2], ids[:2]))
-            self.forward(ForwardBatch.build(pool, [row], [2], [1], ids[2:]))
-        finally:
-            pool.free_request(row)
+        plan = self._capture_plan()
+        prefill, decode = not plan.prefill_captured, not plan.decode_captured
+        if prefill or decode:
+            row = pool.alloc_request()
+            try:
+                pool.reserve([row], [3])
+                ids = torch.zeros(3, dtype=torch.long, device=self.device)
+                # (a decode step needs the prefill's K/V before it)
+                self.forward(ForwardBatch.build(pool, [row], [0], [2], ids[:2]))
+                if decode:
+                    self.forward(ForwardBatch.build(pool, [row], [2], [1], ids[2:]))
+            finally:
+                pool.free_request(row)
         self._capture_graphs()
+
+    def _capture_plan(self) -> "_CapturePlan":
+        """What `_capture_graphs` will capture (ConfigError for a mode the backend cannot serve)."""
+        mode = self.graph_mode
+        if mode == "none":
+            return _CapturePlan((), (), False, False, False)
+        support = self.backend.capabilities.graph_support
+        full = mode in ("full", "full_and_piecewise") and support.get("decode", GraphSupport.NEVER) >= GraphSupport.FULL
+        extend_full = mode in ("full", "full_and_piecewise") and support.get("extend", GraphSupport.NEVER) >= GraphSupport.FULL
+        if mode == "full" and not full:
+            raise ConfigError(
+                f"cuda_graph='full' needs a backend that captures decode attention; "
+                f"{type(self.backend).__name__} does not. Use attention_backend='flashinfer' or 'triton', "
+                "cuda_graph='piecewise' (attention runs between the graphs) or cuda_graph='none'"
+            )
+        limit = self.max_step_tokens or float("inf")  # a graph's tokens must fit the traced forward
+        buckets = tuple(n for n in self.config.cuda_graph_num_tokens if n <= limit)
+        capture_sizes = tuple(n for n in self.config.cuda_graph_capture_sizes if n <= limit)
+        if not (extend_full or mode in PIECEWISE_MODES):
+            buckets = ()
+        return _CapturePlan(buckets, capture_sizes if full else (), full, extend_full, mode in PIECEWISE_MODES)
 
     def _capture_graphs(self) -> None:
         """Capture what ``graph_mode`` asks for into one memory pool, largest first: the
@@ -296,16 +350,7 @@ class ModelRunner:
         mode = self.graph_mode
         if mode == "none":
             return
-        support = self.backend.capabilities.graph_support
-        decode_support = support.get("decode", GraphSupport.NEVER)
-        full = mode in ("full", "full_and_piecewise") and decode_support >= GraphSupport.FULL
-        extend_full = mode in ("full", "full_and_piecewise") and support.get("extend", GraphSupport.NEVER) >= GraphSupport.FULL
-        if mode == "full" and not full:
-            raise ConfigError(
-                f"cuda_graph='full' needs a backend that captures decode attention; "
-                f"{type(self.backend).__name__} does not. Use attention_backend='flashinfer' or 'triton', "
-                "cuda_graph='piecewise' (attention runs between the graphs) or cuda_graph='none'"
-            )
+        plan = self._capture_plan()
         import time
 
         from tqdm.auto import tqdm
@@ -315,23 +360,20 @@ class ModelRunner:
         from .graph_memory import pool_bytes
         from .piecewise_runner import PiecewiseGraphRunner
 
-        cfg = self.config
-        debug = bool(cfg.debug_dump_dir)
-        limit = self.max_step_tokens or float("inf")  # a graph's tokens must fit the traced forward
-        buckets = tuple(n for n in cfg.cuda_graph_num_tokens if n <= limit)
-        capture_sizes = tuple(n for n in cfg.cuda_graph_capture_sizes if n <= limit)
+        debug = bool(self.config.debug_dump_dir)
+        buckets, capture_sizes = plan.buckets, plan.capture_sizes
         torch.cuda.synchronize()
         start, before = time.perf_counter(), pool_bytes(self.device)
         mempool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)  # one capture stream: one cuBLAS workspace
         pieces = decode = extend = None
-        if extend_full and buckets:
+        if plan.extend_full and buckets:
             extend = ExtendGraphRunner(self, buckets, mempool=mempool, debug=debug)
-        elif mode in PIECEWISE_MODES and buckets:
+        elif plan.piecewise and buckets:
             state = self._piecewise_state
             state.mempool, state.stream = mempool, stream
             pieces = PiecewiseGraphRunner(self, state, buckets)
-        if full and capture_sizes:
+        if capture_sizes:
             decode = DecodeGraphRunner(self, capture_sizes, debug=debug, mempool=mempool)
         total = sum(len(r.sizes) for r in (pieces, extend, decode) if r is not None)
         with tqdm(total=total, desc="attngraph: capturing CUDA graphs", unit="size", leave=False) as bar:
