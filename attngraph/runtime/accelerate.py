@@ -27,6 +27,7 @@ from .decode_loop import paged_sample
 from .generate_checks import check_forward_kwargs
 from .model_runner import ModelRunner
 from .paged_cache import PagedCache, check_token_ids
+from .speculative import paged_lookup_decode
 from .tensor_parallel import check_local_heads, check_shardable
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,8 @@ _STATE_ATTR = "_attngraph_state"
 _RECOMPILE_LIMIT_HIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())
 SUPPORTED_MODES = (
     "greedy decoding and multinomial sampling (temperature, top-k, top-p, logits processors), num_beams=1, "
-    "and assisted generation at batch size 1 (prompt_lookup_num_tokens, or an assistant_model, accelerated or not)"
+    "greedy prompt lookup (prompt_lookup_num_tokens) for batches, and other assisted generation at batch size 1 "
+    "(prompt lookup with sampling, or an assistant_model, accelerated or not)"
 )
 
 
@@ -242,12 +244,15 @@ def _generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             # custom_generate receives no streamer from transformers: it is passed again by a
             # keyword of the loop's own.
             loop = {"custom_generate": paged_sample, "attngraph_streamer": kwargs.get("streamer")}
-            if _assisted(model, kwargs):
-                # HF's own assisted loop: candidates from the prompt (prompt lookup) or from the
-                # assistant, verified k + 1 tokens at a time through this model's paged forward,
-                # rejected tokens dropped with PagedCache.crop. A callable custom_generate would
-                # not receive the assistant.
+            if kwargs.get("assistant_model") is not None:
+                # HF's own assisted loop: candidates from the assistant, verified k + 1 tokens at
+                # a time through this model's paged forward, rejected tokens dropped with
+                # PagedCache.crop. A callable custom_generate would not receive the assistant.
                 loop = {}
+            elif _assisted(model, kwargs):
+                # Prompt lookup: attngraph's speculative loop (batches, ragged verify steps), or
+                # HF's assisted loop for what that one does not reproduce (sampling, processors).
+                loop = {"custom_generate": paged_lookup_decode, "attngraph_streamer": kwargs.get("streamer")}
             kwargs = _without_cache_implementation(model, kwargs)
             return state.original_generate(*args, **{state.cache_kwarg: cache}, **loop, **kwargs)
         except _RECOMPILE_LIMIT_HIT as exc:

@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 STOP_CHECK_EVERY = 8
 
 
-def _eligible(stopping_criteria: StoppingCriteriaList, generation_config, streamer, cache, batch_size: int) -> str | None:
+def why_not_own_loop(stopping_criteria: StoppingCriteriaList, generation_config, streamer, cache, batch_size: int) -> str | None:
     """None when the fast loop reproduces HF exactly here, else why not."""
     if not isinstance(cache, PagedCache):
         return "no PagedCache"
@@ -128,7 +128,7 @@ def paged_sample(
     if isinstance(cache, PagedCache):
         check_call(cache, input_ids, generation_config, model_kwargs)
     why = None if not synced_gpus else "synced_gpus"
-    why = why or _eligible(stopping_criteria, generation_config, streamer, cache, input_ids.shape[0])
+    why = why or why_not_own_loop(stopping_criteria, generation_config, streamer, cache, input_ids.shape[0])
     if why is not None:
         logger.debug("attngraph: HF decoding loop (%s)", why)
         return type(model)._sample(

@@ -64,6 +64,8 @@ class PagedCache(Cache):
         self.next_positions: list[int] = []
         #: The caller checked the whole prompt's padding layout (`generate_checks.check_prompt_layout`).
         self.layout_checked = False
+        #: Sequences were extended or truncated one by one (`extend_each`, `truncate_each`).
+        self.ragged = False
         self._finalizer = weakref.finalize(self, _free_rows, self.pool, self.rows)
 
     # ------------------------------------------------------------------ transformers' Cache API
@@ -92,6 +94,11 @@ class PagedCache(Cache):
             max_length = int(max_length)  # transformers 5.17's assisted loop passes a 0-d count
         if isinstance(max_length, bool) or not isinstance(max_length, int):
             raise InputError(f"crop takes an int number of columns to keep (negative: to drop), got {max_length!r}")
+        if self.ragged:
+            raise InputError(
+                "crop drops columns of every sequence alike, but this cache's sequences were extended one by one "
+                "(extend_each / truncate_each); roll them back with truncate_each"
+            )
         if max_length == 0:
             return
         if max_length < 0:
@@ -158,6 +165,49 @@ class PagedCache(Cache):
         self.next_positions = [p + 1 for p in self.next_positions]
         self.columns += 1
         return logits
+
+    def extend_each(self, seqs: list[int], tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Append ``counts[i]`` tokens to sequence ``seqs[i]`` of the batch in one ragged step
+        (``tokens: [sum(counts)]`` on the device, sequence-major; each at the sequence's next
+        positions). Returns logits ``[sum(counts), vocab]`` at every new token.
+
+        The sequences then hold different numbers of new tokens: the cache's columns no longer
+        describe them, and transformers' column-wise `crop` is refused from here on
+        (`truncate_each` rolls back per sequence)."""
+        if not (len(seqs) == len(counts) and tokens.shape == (sum(counts),)) or any(c < 1 for c in counts):
+            raise ValueError(f"extend_each needs one count >= 1 per sequence and sum(counts) tokens, got {counts} and {tuple(tokens.shape)}")
+        check_token_ids(tokens, self.pool.device, "tokens")
+        limit = self.runner.max_step_tokens
+        if limit is not None and sum(counts) > limit:
+            raise InputError(f"a step of {sum(counts)} tokens: the traced forward holds at most {limit} per step")
+        rows = [self.rows[b] for b in seqs]
+        prefix = [self.lengths[b] for b in seqs]
+        new_lens = [n + c for n, c in zip(prefix, counts)]
+        self.pool.reserve(rows, new_lens)  # all or nothing: raises before anything is written
+        positions = torch.tensor(
+            [self.next_positions[b] + i for b, c in zip(seqs, counts) for i in range(c)], dtype=torch.long
+        ).to(self.pool.device, non_blocking=True)
+        batch = ForwardBatch.build(self.pool, rows, prefix, counts, tokens.long(), positions)
+        logits = self.runner.forward(batch, torch.arange(sum(counts), device=self.pool.device))
+        for b, n, c in zip(seqs, new_lens, counts):
+            self.lengths[b] = n
+            self.next_positions[b] += c
+        self.ragged = True
+        return logits
+
+    def truncate_each(self, seqs: list[int], lengths: list[int]) -> None:
+        """Keep the first ``lengths[i]`` tokens of sequence ``seqs[i]`` (its newest ones are
+        dropped, its pages past them given back, its next position moved back as many).
+        Raises `InputError`, changing nothing, for a length above what a sequence holds."""
+        bad = [(b, n) for b, n in zip(seqs, lengths) if not 0 <= n <= self.lengths[b]]
+        if bad:
+            b, n = bad[0]
+            raise InputError(f"cannot keep {n} tokens of sequence {b}: it holds {self.lengths[b]}")
+        for b, n in zip(seqs, lengths):
+            self.next_positions[b] -= self.lengths[b] - n
+            self.lengths[b] = n
+            self.pool.truncate(self.rows[b], n)
+        self.ragged = True
 
     def step(
         self,

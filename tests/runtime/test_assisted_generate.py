@@ -1,6 +1,8 @@
-"""Assisted generation on an accelerated model: HF's own assisted loop, whose verify steps
-(k + 1 candidate tokens, logits at every one) run on the paged runtime and whose rejected
-tokens are dropped with `PagedCache.crop`. Compared token for token with HF on a deep copy."""
+"""Assisted generation on an accelerated model: HF's own assisted loop (an assistant model;
+prompt lookup with sampling or logits processors), whose verify steps (k + 1 candidate tokens,
+logits at every one) run on the paged runtime and whose rejected tokens are dropped with
+`PagedCache.crop`; greedy prompt lookup runs attngraph's own loop. Compared token for token
+with HF on a deep copy."""
 
 import copy
 
@@ -121,11 +123,13 @@ def test_assisted_without_a_cache_is_refused_as_hf_refuses_it():
     assert state_of(model).runner.pool.num_used_pages == 0
 
 
-def test_a_batch_is_refused_by_hf_and_leaves_the_pool_empty():
+def test_a_sampled_batch_is_refused_by_hf_and_leaves_the_pool_empty():
+    """Greedy prompt lookup serves batches (attngraph's loop, tests/runtime/test_speculative.py);
+    sampling runs transformers' assisted loop, which takes one sequence."""
     model, _ = accelerated_pair("llama")
     ids = torch.cat([repetitive_prompt(model.config.vocab_size, seed=s) for s in (1, 2)])
     with pytest.raises(ValueError, match="batch_size = 1"):
-        model.generate(ids, prompt_lookup_num_tokens=3, max_new_tokens=4, pad_token_id=PAD)
+        model.generate(ids, prompt_lookup_num_tokens=3, max_new_tokens=4, pad_token_id=PAD, do_sample=True)
     runner = state_of(model).runner
     assert runner.pool.num_used_pages == 0 and runner.pool.num_active_requests == 0
 
