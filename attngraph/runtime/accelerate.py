@@ -27,7 +27,7 @@ from .decode_loop import paged_sample
 from .generate_checks import check_forward_kwargs
 from .model_runner import ModelRunner
 from .paged_cache import PagedCache, check_token_ids
-from .speculative import paged_lookup_decode
+from .speculative import paged_assisted_decode, paged_lookup_decode
 from .tensor_parallel import check_local_heads, check_shardable
 
 logger = logging.getLogger(__name__)
@@ -37,8 +37,8 @@ _STATE_ATTR = "_attngraph_state"
 _RECOMPILE_LIMIT_HIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())
 SUPPORTED_MODES = (
     "greedy decoding and multinomial sampling (temperature, top-k, top-p, logits processors), num_beams=1, "
-    "greedy prompt lookup (prompt_lookup_num_tokens) for batches, and other assisted generation at batch size 1 "
-    "(prompt lookup with sampling, or an assistant_model, accelerated or not)"
+    "greedy speculative decoding for batches (prompt_lookup_num_tokens, or an accelerated assistant_model), and "
+    "other assisted generation at batch size 1 (with sampling, or an assistant_model that is not accelerated)"
 )
 
 
@@ -244,7 +244,15 @@ def _generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             # custom_generate receives no streamer from transformers: it is passed again by a
             # keyword of the loop's own.
             loop = {"custom_generate": paged_sample, "attngraph_streamer": kwargs.get("streamer")}
-            if kwargs.get("assistant_model") is not None:
+            assistant = kwargs.get("assistant_model")
+            if assistant is not None and _own_assisted_loop(model, assistant, kwargs):
+                # Greedy with an accelerated assistant of the same vocabulary: attngraph's
+                # speculative loop (batches, ragged steps on both pools), or HF's assisted loop
+                # for what that one does not reproduce. transformers hands a callable loop no
+                # assistant_model: it goes under a keyword of the loop's own.
+                loop = {"custom_generate": paged_assisted_decode, "attngraph_streamer": kwargs.get("streamer"),
+                        "attngraph_assistant": assistant}  # fmt: skip
+            elif assistant is not None:
                 # HF's own assisted loop: candidates from the assistant, verified k + 1 tokens at
                 # a time through this model's paged forward, rejected tokens dropped with
                 # PagedCache.crop. A callable custom_generate would not receive the assistant.
@@ -264,6 +272,22 @@ def _generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         finally:
             if not keep:
                 cache.free()
+
+
+def _own_assisted_loop(model: torch.nn.Module, assistant: torch.nn.Module, kwargs: dict) -> bool:
+    """Whether attngraph's speculative loop may serve this call's assistant: an accelerated one
+    of the same vocabulary, greedy decoding, no tokenizers (those ask for transformers'
+    universal assisted generation, which translates between vocabularies)."""
+    gen_cfg = kwargs.get("generation_config") or model.generation_config
+    if getattr(assistant, _STATE_ATTR, None) is None or assistant is model:
+        return False
+    if kwargs.get("tokenizer") is not None or kwargs.get("assistant_tokenizer") is not None:
+        return False
+    if kwargs.get("do_sample", getattr(gen_cfg, "do_sample", False)):
+        return False
+    rows = [m.get_output_embeddings().weight.shape[0] if m.get_output_embeddings() is not None else None
+            for m in (model, assistant)]  # fmt: skip
+    return rows[0] is not None and rows[0] == rows[1]
 
 
 def _assisted(model: torch.nn.Module, kwargs: dict) -> bool:

@@ -1,12 +1,16 @@
-"""Greedy speculative decoding on the paged runtime: prompt lookup, for batches.
+"""Greedy speculative decoding on the paged runtime, for batches: prompt lookup and
+accelerated draft models.
 
-``generate(..., prompt_lookup_num_tokens=k)`` with greedy decoding: each round, every unfinished
-request proposes up to ``k`` tokens by n-gram lookup in its own tokens (`lookup_candidates`,
-transformers' rule) and the target runs one ragged step over its pending token plus its
-candidates, with logits at every one. A request keeps the candidates its argmax agrees with,
-plus the argmax after the last one it kept (always at least one new token), and gives back the
-pool slots of the rest (`PagedCache.truncate_each`). The tokens are those of plain greedy
-decoding; a round costs one host read (the argmaxes).
+``generate(..., prompt_lookup_num_tokens=k)`` or ``generate(..., assistant_model=draft)``
+(``draft`` accelerated, same vocabulary) with greedy decoding: each round, every unfinished
+request gets up to ``k`` candidate tokens from its proposer (`_LookupProposer`: n-gram lookup
+in its own tokens, transformers' rule; `_DraftProposer`: the draft's greedy steps on its own
+pool) and the target runs one ragged step over its pending token plus its candidates, with
+logits at every one. A request keeps the candidates its argmax agrees with, plus the argmax
+after the last one it kept (always at least one new token), and gives back the pool slots of
+the rest (`PagedCache.truncate_each`; the draft rolls back too). The tokens are those of plain
+greedy decoding; a round reads the device once for the target's argmaxes (and once for the
+draft's proposals).
 
 Requests advance at their own pace (each keeps as many candidates as it agrees with), which a
 ragged step serves directly; transformers' own assisted loop takes one sequence only. Calls this
@@ -75,21 +79,173 @@ def paged_lookup_decode(
 ) -> torch.LongTensor:
     """transformers' decoding-loop contract (``self`` is the model) for prompt lookup:
     returns ``[B, prompt + generated]`` ids, pads after a sequence's EOS as plain greedy does."""
-    model = self
-    streamer = streamer if streamer is not None else attngraph_streamer
-    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     k = int(generation_config.prompt_lookup_num_tokens)
-    if isinstance(cache, PagedCache):
-        check_call(cache, input_ids, generation_config, model_kwargs)
-    why = "synced_gpus" if synced_gpus else None
-    why = why or _why_not(generation_config, logits_processor, stopping_criteria, streamer, cache, input_ids.shape[0], k)
+    max_ngram = int(getattr(generation_config, "max_matching_ngram_size", None) or DEFAULT_MAX_NGRAM)
+    streamer = streamer if streamer is not None else attngraph_streamer
+    why = _checked(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, k, model_kwargs)
     if why is not None:
         logger.debug("attngraph: transformers' assisted loop (%s)", why)
-        return type(model)._assisted_decoding(
-            model, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+        return type(self)._assisted_decoding(
+            self, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
             generation_config=generation_config, synced_gpus=synced_gpus, streamer=streamer,
             inputs_tensor=inputs_tensor, **model_kwargs,
         )  # fmt: skip
+    return _speculative_greedy(_LookupProposer(k, max_ngram), input_ids, stopping_criteria, generation_config, model_kwargs)
+
+
+def paged_assisted_decode(
+    self,
+    input_ids: torch.LongTensor,
+    logits_processor,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config,
+    synced_gpus: bool = False,
+    streamer=None,
+    inputs_tensor: torch.Tensor | None = None,
+    attngraph_streamer=None,
+    attngraph_assistant=None,
+    **model_kwargs,
+) -> torch.LongTensor:
+    """transformers' decoding-loop contract for greedy decoding with an accelerated assistant
+    (``attngraph_assistant``, passed under a keyword of this loop's own: transformers hands a
+    callable loop no ``assistant_model``): the draft proposes on its own pool, the target
+    verifies. Returns ``[B, prompt + generated]`` ids, those of plain greedy decoding."""
+    from .accelerate import state_of
+
+    draft_state = state_of(attngraph_assistant)
+    cfg = attngraph_assistant.generation_config
+    k = int(getattr(cfg, "num_assistant_tokens", None) or DEFAULT_DRAFT_TOKENS)
+    adaptive = getattr(cfg, "num_assistant_tokens_schedule", "constant") != "constant"
+    streamer = streamer if streamer is not None else attngraph_streamer
+    why = _checked(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
+                   k + 2 * adaptive * MAX_DRAFT_GROWTH, model_kwargs)  # fmt: skip
+    if why is not None:
+        logger.debug("attngraph: transformers' assisted loop (%s)", why)
+        return type(self)._assisted_decoding(
+            self, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+            generation_config=generation_config, synced_gpus=synced_gpus, streamer=streamer,
+            inputs_tensor=inputs_tensor, assistant_model=attngraph_assistant, **model_kwargs,
+        )  # fmt: skip
+    with draft_state.lock:  # the draft's runner serves one call at a time
+        proposer = _DraftProposer(PagedCache(draft_state.runner), k, adaptive)
+        try:
+            return _speculative_greedy(proposer, input_ids, stopping_criteria, generation_config, model_kwargs)
+        finally:
+            proposer.cache.free()
+
+
+#: Draft tokens per round when the assistant's generation config names none (transformers' default).
+DEFAULT_DRAFT_TOKENS = 20
+#: Most rounds' worth of growth the adaptive schedule may add (+2 a round) before a step would
+#: exceed the traced forward's token limit (checked up front).
+MAX_DRAFT_GROWTH = 4
+
+
+def _checked(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, k,
+             model_kwargs) -> str | None:  # fmt: skip
+    """`check_call` (raises), then None when the speculative loop reproduces this call, else why not."""
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    if isinstance(cache, PagedCache):
+        check_call(cache, input_ids, generation_config, model_kwargs)
+    if synced_gpus:
+        return "synced_gpus"
+    return _why_not(generation_config, logits_processor, stopping_criteria, streamer, cache, input_ids.shape[0], k)
+
+
+class _LookupProposer:
+    """Candidates by n-gram lookup in each sequence's own tokens (`lookup_candidates`)."""
+
+    def __init__(self, k: int, max_ngram: int) -> None:
+        self.k, self.max_ngram = k, max_ngram
+
+    def start(self, input_ids, mask, position_ids, prompts: list[list[int]]) -> None:
+        self.prompts = prompts
+
+    def propose(self, live: list[int], pending: list[int], outputs: list[list[int]], budgets: list[int]) -> list[list[int]]:
+        return [
+            lookup_candidates(self.prompts[b] + outputs[b], min(self.k, budget), self.max_ngram)
+            for b, budget in zip(live, budgets)
+        ]
+
+    def accepted(self, live: list[int], cands: list[list[int]], kept: list[int]) -> None:
+        """Nothing to roll back: lookup holds no state."""
+
+
+class _DraftProposer:
+    """Candidates from an accelerated draft model, greedy, on its own pool (``cache``).
+
+    The draft lags the target by the tokens it has not consumed yet (``unseen``: the last
+    round's pending token, and a last candidate it proposed but never fed); each round feeds
+    them and the pending token in one ragged step, then runs one decode step per further
+    candidate. The proposals stay on the device until the round's one read. With ``adaptive``
+    (transformers' "heuristic" schedules) a sequence's k grows by 2 after a round whose
+    candidates were all kept and shrinks by 1 (to at least 1) otherwise, within this call."""
+
+    def __init__(self, cache: PagedCache, k: int, adaptive: bool) -> None:
+        self.cache, self.k0, self.adaptive = cache, k, adaptive
+
+    def start(self, input_ids, mask, position_ids, prompts: list[list[int]]) -> None:
+        self.cache.step(input_ids, mask, 1, position_ids)  # the prompt (the draft's own next token is not used)
+        self.unseen: list[list[int]] = [[] for _ in prompts]
+        self.k = [self.k0] * len(prompts)
+        self.cap = self.k0 + 2 * MAX_DRAFT_GROWTH * self.adaptive
+
+    def propose(self, live: list[int], pending: list[int], outputs: list[list[int]], budgets: list[int]) -> list[list[int]]:
+        ks = [min(self.k[b], budget) for b, budget in zip(live, budgets)]
+        self.fed_at = {}  # b -> draft length after its feed
+        feeds = {b: self.unseen[b] + [pending[b]] for b in live}
+        active = [b for b, k in zip(live, ks) if k > 0]
+        for b, k in zip(live, ks):
+            if k == 0:
+                self.unseen[b] = feeds[b]  # nothing to propose: it stays behind
+        if not active:
+            return [[] for _ in live]
+        want = dict(zip(live, ks))
+        device = self.cache.pool.device
+        ids = torch.tensor([t for b in active for t in feeds[b]], dtype=torch.long, device=device)
+        counts = [len(feeds[b]) for b in active]
+        logits = self.cache.extend_each(active, ids, counts)  # [T, V]
+        last = torch.tensor(counts, device=device).cumsum(0) - 1
+        tokens = torch.argmax(logits[last].float(), dim=-1)  # [len(active)], on the device
+        for b in active:
+            self.fed_at[b] = self.cache.lengths[b]
+            self.unseen[b] = []
+        proposed = {b: [tokens[i]] for i, b in enumerate(active)}
+        step = 1
+        while True:
+            more = [i for i, b in enumerate(active) if want[b] > step]
+            if not more:
+                break
+            sub = [active[i] for i in more]
+            idx = torch.tensor(more, device=device)
+            logits = self.cache.extend_each(sub, tokens[idx], [1] * len(sub))  # [len(sub), V]
+            nxt = torch.argmax(logits.float(), dim=-1)
+            tokens = torch.zeros_like(tokens).index_copy_(0, idx, nxt)
+            for j, b in enumerate(sub):
+                proposed[b].append(nxt[j])
+            step += 1
+        flat = torch.stack([t for b in active for t in proposed[b]]).tolist()  # the round's read
+        out, start = {}, 0
+        for b in active:
+            out[b] = flat[start : start + len(proposed[b])]
+            start += len(proposed[b])
+        return [out.get(b, []) for b in live]
+
+    def accepted(self, live: list[int], cands: list[list[int]], kept: list[int]) -> None:
+        """Roll the draft back to the kept candidates: it fed all but its last proposal."""
+        for b, c, n in zip(live, cands, kept):
+            if not c:
+                continue
+            self.cache.truncate_each([b], [self.fed_at[b] + min(n, len(c) - 1)])
+            if n == len(c):
+                self.unseen[b] = [c[-1]]  # kept but never fed to the draft
+            if self.adaptive:
+                self.k[b] = min(self.cap, self.k[b] + 2) if n == len(c) else max(1, self.k[b] - 1)
+
+
+def _speculative_greedy(proposer, input_ids, stopping_criteria, generation_config, model_kwargs) -> torch.LongTensor:
+    """The speculative loop: the target's prefill, then rounds of propose / verify / keep."""
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     max_length = min(c.max_length for c in stopping_criteria if isinstance(c, MaxLengthCriteria))
     eos = set()
     for crit in stopping_criteria:
@@ -99,24 +255,28 @@ def paged_lookup_decode(
     steps = max_length - prompt_len
     if steps <= 0:
         return input_ids
-    max_ngram = int(getattr(generation_config, "max_matching_ngram_size", None) or DEFAULT_MAX_NGRAM)
     mask = model_kwargs.get("attention_mask")
+    position_ids = model_kwargs.get("position_ids")
     prompts = [row[m.bool()].tolist() for row, m in zip(input_ids, mask)] if mask is not None else input_ids.tolist()
 
-    logits = cache.step(input_ids, mask, 1, model_kwargs.get("position_ids"))[:, -1]  # [B, V]
+    logits = cache.step(input_ids, mask, 1, position_ids)[:, -1]  # [B, V]
     pending = torch.argmax(logits.float(), dim=-1).tolist()  # next token of each request, not in the pool yet
     outputs = [[t] for t in pending]
     done = [t in eos or steps == 1 for t in pending]
+    if not all(done):
+        proposer.start(input_ids, mask, position_ids, prompts)
     while not all(done):
         live = [b for b in range(bsz) if not done[b]]
         # Each live request feeds its pending token and its candidates: 1 + c_b tokens, ragged.
-        cands = [lookup_candidates(prompts[b] + outputs[b], min(k, steps - len(outputs[b]) - 1), max_ngram) for b in live]
+        cands = proposer.propose(live, pending, outputs, [steps - len(outputs[b]) - 1 for b in live])
         fed = [[pending[b]] + c for b, c in zip(live, cands)]
         preds = _verify(cache, live, fed)  # per live request: argmax after each fed token
+        kept = []
         for b, c, p in zip(live, cands, preds):
             n = 0
             while n < len(c) and c[n] == p[n]:
                 n += 1
+            kept.append(n)
             cache.truncate_each([b], [cache.lengths[b] - (len(c) - n)])  # drop the rejected candidates
             new = c[:n] + [p[n]]
             for t in new:
@@ -125,6 +285,7 @@ def paged_lookup_decode(
                     done[b] = True
                     break
             pending[b] = new[-1]
+        proposer.accepted(live, cands, kept)
     width = max(len(o) for o in outputs)
     pad = generation_config._pad_token_tensor
     fill = int(pad) if pad is not None else 0
