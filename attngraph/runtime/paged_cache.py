@@ -166,10 +166,12 @@ class PagedCache(Cache):
         self.columns += 1
         return logits
 
-    def extend_each(self, seqs: list[int], tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def extend_each(self, seqs: list[int], tokens: torch.Tensor, counts: list[int], all_logits: bool = True) -> torch.Tensor:
         """Append ``counts[i]`` tokens to sequence ``seqs[i]`` of the batch in one ragged step
         (``tokens: [sum(counts)]`` on the device, sequence-major; each at the sequence's next
-        positions). Returns logits ``[sum(counts), vocab]`` at every new token.
+        positions). Returns logits ``[sum(counts), vocab]`` at every new token, or with
+        ``all_logits=False`` ``[len(seqs), vocab]`` at each sequence's last one (the step the
+        captured decode and prefill graphs serve).
 
         The sequences then hold different numbers of new tokens: the cache's columns no longer
         describe them, and transformers' column-wise `crop` is refused from here on
@@ -188,7 +190,8 @@ class PagedCache(Cache):
             [self.next_positions[b] + i for b, c in zip(seqs, counts) for i in range(c)], dtype=torch.long
         ).to(self.pool.device, non_blocking=True)
         batch = ForwardBatch.build(self.pool, rows, prefix, counts, tokens.long(), positions)
-        logits = self.runner.forward(batch, torch.arange(sum(counts), device=self.pool.device))
+        rows = torch.arange(sum(counts), device=self.pool.device) if all_logits else None
+        logits = self.runner.forward(batch, rows)
         for b, n, c in zip(seqs, new_lens, counts):
             self.lengths[b] = n
             self.next_positions[b] += c

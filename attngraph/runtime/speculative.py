@@ -204,9 +204,8 @@ class _DraftProposer:
         device = self.cache.pool.device
         ids = torch.tensor([t for b in active for t in feeds[b]], dtype=torch.long, device=device)
         counts = [len(feeds[b]) for b in active]
-        logits = self.cache.extend_each(active, ids, counts)  # [T, V]
-        last = torch.tensor(counts, device=device).cumsum(0) - 1
-        tokens = torch.argmax(logits[last].float(), dim=-1)  # [len(active)], on the device
+        logits = self.cache.extend_each(active, ids, counts, all_logits=False)  # [len(active), V]
+        tokens = torch.argmax(logits.float(), dim=-1)  # on the device
         for b in active:
             self.fed_at[b] = self.cache.lengths[b]
             self.unseen[b] = []
@@ -218,7 +217,7 @@ class _DraftProposer:
                 break
             sub = [active[i] for i in more]
             idx = torch.tensor(more, device=device)
-            logits = self.cache.extend_each(sub, tokens[idx], [1] * len(sub))  # [len(sub), V]
+            logits = self.cache.extend_each(sub, tokens[idx], [1] * len(sub), all_logits=False)  # a decode step
             nxt = torch.argmax(logits.float(), dim=-1)
             tokens = torch.zeros_like(tokens).index_copy_(0, idx, nxt)
             for j, b in enumerate(sub):
@@ -298,7 +297,8 @@ def _verify(cache: PagedCache, live: list[int], fed: list[list[int]]) -> list[li
     logits after each of them, read on the host (the round's one sync)."""
     device = cache.pool.device
     ids = torch.tensor([t for f in fed for t in f], dtype=torch.long, device=device)
-    logits = cache.extend_each(live, ids, [len(f) for f in fed])  # [T, V]
+    # [T, V]; a round without candidates is a decode step: its graph serves it
+    logits = cache.extend_each(live, ids, [len(f) for f in fed], all_logits=any(len(f) > 1 for f in fed))
     flat = torch.argmax(logits.float(), dim=-1).tolist()
     out, start = [], 0
     for f in fed:
