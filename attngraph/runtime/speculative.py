@@ -84,12 +84,8 @@ def paged_lookup_decode(
     streamer = streamer if streamer is not None else attngraph_streamer
     why = _checked(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, k, model_kwargs)
     if why is not None:
-        logger.debug("attngraph: transformers' assisted loop (%s)", why)
-        return type(self)._assisted_decoding(
-            self, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
-            generation_config=generation_config, synced_gpus=synced_gpus, streamer=streamer,
-            inputs_tensor=inputs_tensor, **model_kwargs,
-        )  # fmt: skip
+        return _transformers_loop(self, why, input_ids, logits_processor, stopping_criteria, generation_config,
+                                  synced_gpus, streamer, inputs_tensor, model_kwargs)  # fmt: skip
     return _speculative_greedy(_LookupProposer(k, max_ngram), input_ids, stopping_criteria, generation_config, model_kwargs)
 
 
@@ -120,12 +116,8 @@ def paged_assisted_decode(
     why = _checked(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
                    k + 2 * adaptive * MAX_DRAFT_GROWTH, model_kwargs)  # fmt: skip
     if why is not None:
-        logger.debug("attngraph: transformers' assisted loop (%s)", why)
-        return type(self)._assisted_decoding(
-            self, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
-            generation_config=generation_config, synced_gpus=synced_gpus, streamer=streamer,
-            inputs_tensor=inputs_tensor, assistant_model=attngraph_assistant, **model_kwargs,
-        )  # fmt: skip
+        return _transformers_loop(self, why, input_ids, logits_processor, stopping_criteria, generation_config,
+                                  synced_gpus, streamer, inputs_tensor, model_kwargs, assistant_model=attngraph_assistant)  # fmt: skip
     with draft_state.lock:  # the draft's runner serves one call at a time
         proposer = _DraftProposer(PagedCache(draft_state.runner), k, adaptive)
         try:
@@ -139,6 +131,18 @@ DEFAULT_DRAFT_TOKENS = 20
 #: Most rounds' worth of growth the adaptive schedule may add (+2 a round) before a step would
 #: exceed the traced forward's token limit (checked up front).
 MAX_DRAFT_GROWTH = 4
+
+
+def _transformers_loop(model, why: str, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
+                       streamer, inputs_tensor, model_kwargs: dict, **assistant) -> torch.LongTensor:  # fmt: skip
+    """transformers' own assisted loop (one sequence), on the paged runtime, for a call the
+    speculative loop does not reproduce (``why``)."""
+    logger.debug("attngraph: transformers' assisted loop (%s)", why)
+    return type(model)._assisted_decoding(
+        model, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+        generation_config=generation_config, synced_gpus=synced_gpus, streamer=streamer, inputs_tensor=inputs_tensor,
+        **assistant, **model_kwargs,
+    )  # fmt: skip
 
 
 def _checked(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, k,
