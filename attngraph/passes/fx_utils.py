@@ -469,8 +469,12 @@ def attention_module_path(node: fx.Node) -> tuple[str, int | None]:
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
         return "", None
-    path, _cls = list(stack.values())[-1]
-    path = _clean_path(path)
+    paths = [_clean_path(path) for path, _cls in stack.values()]
+    # A module object held by a module-level global (``G['...']``: a function transformers
+    # wraps as a module, e.g. a short convolution kernel) is not in the model's tree: name the
+    # innermost enclosing module of the model instead.
+    inside = [p for p in paths if not p.startswith("G[")]
+    path = inside[-1] if inside else paths[-1]
     idx = _INDEX_RE.findall(path)
     return path, (int(idx[-1]) if idx else None)
 
