@@ -177,7 +177,7 @@ class PagedCache(Cache):
         describe them, and transformers' column-wise `crop` is refused from here on
         (`truncate_each` rolls back per sequence)."""
         if not (len(seqs) == len(counts) and tokens.shape == (sum(counts),)) or any(c < 1 for c in counts):
-            raise ValueError(f"extend_each needs one count >= 1 per sequence and sum(counts) tokens, got {counts} and {tuple(tokens.shape)}")
+            raise InputError(f"extend_each needs one count >= 1 per sequence and sum(counts) tokens, got {counts} and {tuple(tokens.shape)}")
         check_token_ids(tokens, self.pool.device, "tokens")
         limit = self.runner.max_step_tokens
         if limit is not None and sum(counts) > limit:

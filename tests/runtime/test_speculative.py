@@ -167,6 +167,9 @@ def test_extend_each_and_truncate_each_roll_back_one_sequence():
         with torch.no_grad():
             want = reference(input_ids=seq1).logits[0, -3:]
         torch.testing.assert_close(logits[:3], want, atol=1e-4, rtol=1e-4)
+        with pytest.raises(InputError, match="one count >= 1"):
+            cache.extend_each([0, 1], extra[:2], [2, 0])
+        assert cache.lengths == [before[0] + 2, before[1] + 3]  # nothing written
         with pytest.raises(InputError, match="truncate_each"):
             cache.crop(-1)
         with pytest.raises(InputError, match="holds"):
