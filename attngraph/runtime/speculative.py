@@ -111,7 +111,8 @@ def paged_assisted_decode(
     draft_state = state_of(attngraph_assistant)
     cfg = attngraph_assistant.generation_config
     k = int(getattr(cfg, "num_assistant_tokens", None) or DEFAULT_DRAFT_TOKENS)
-    adaptive = getattr(cfg, "num_assistant_tokens_schedule", "constant") != "constant"
+    # transformers' default (unset) is "constant"
+    adaptive = getattr(cfg, "num_assistant_tokens_schedule", None) in ("heuristic", "heuristic_transient")
     streamer = streamer if streamer is not None else attngraph_streamer
     why = _checked(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
                    k + 2 * adaptive * MAX_DRAFT_GROWTH, model_kwargs)  # fmt: skip
