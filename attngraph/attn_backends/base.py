@@ -153,6 +153,10 @@ class BackendCapabilities:
     graph_support: dict[str, GraphSupport] = field(
         default_factory=lambda: {"decode": GraphSupport.NEVER, "extend": GraphSupport.NEVER}
     )
+    #: Decode attention reads every per-step value (lengths, page table, new slots) from the
+    #: batch's device tensors and plans nothing on the host, so several decode steps, each with
+    #: its own tensors, can be recorded in one CUDA graph (a draft model's greedy steps).
+    decode_metadata_on_device: bool = False
 
     def why_not(self, spec: ModelAttentionSpec) -> str | None:
         """None when ``spec`` can be served, else the reason in words."""

@@ -60,6 +60,7 @@ def combine_capabilities(prefill: BackendCapabilities, decode: BackendCapabiliti
             "decode": decode.graph_support["decode"],
             "extend": prefill.graph_support["extend"],
         },
+        decode_metadata_on_device=decode.decode_metadata_on_device,
     )
 
 

@@ -117,6 +117,7 @@ class TritonBackend(AttentionBackend):
         head_dims=SUPPORTED_HEAD_DIMS,
         page_sizes=None,
         graph_support={"decode": GraphSupport.FULL, "extend": GraphSupport.FULL},
+        decode_metadata_on_device=True,  # the kernels read seq_lens and the page table directly
     )
 
     def __init__(

@@ -20,7 +20,9 @@ Static layout of a bucket ``N`` with ``S`` request slots (`slots_for_bucket`):
 The backend sizes any grid by ``ForwardBatch.static_max_extend_len`` (``N``) rather than by
 the real lengths, plans on the host before each replay (`init_forward_metadata_out_graph`)
 and refreshes its device metadata inside the graph (`init_forward_metadata_in_graph`).
-Logits come from the last row of each slot; those of the real requests are returned.
+Logits come from the last row of each slot; those of the real requests are returned. With
+``all_logits`` (a speculative target's verify steps: every new token is checked) they come
+from every token row instead, ``[N, vocab]``, and those of the real tokens are returned.
 A step with more requests than its bucket has slots, or above the largest bucket, is not
 served here (`can_run` is False).
 """
@@ -54,8 +56,9 @@ def slots_for_bucket(num_tokens: int, max_requests: int, row_tokens: int) -> int
 class ExtendGraphRunner:
     """Captures and replays non-decode steps of a `ModelRunner` (see the module docstring)."""
 
-    def __init__(self, runner, sizes: tuple[int, ...], mempool=None, debug: bool = False) -> None:
+    def __init__(self, runner, sizes: tuple[int, ...], mempool=None, debug: bool = False, all_logits: bool = False) -> None:
         self.runner = runner
+        self.all_logits = all_logits
         self.backend = runner.backend
         pool = runner.pool
         self.pool = pool
@@ -80,6 +83,7 @@ class ExtendGraphRunner:
         self._ints_cpu = torch.zeros(5 * s + 1, dtype=torch.int32)
         self._ints = torch.zeros(5 * s + 1, dtype=torch.int32, device=device)
         self.logits_indices = torch.zeros(s, dtype=torch.long, device=device)
+        self.token_rows = torch.arange(t, dtype=torch.long, device=device)  # all_logits: every row
         self.batches: dict[int, ForwardBatch] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -163,35 +167,48 @@ class ExtendGraphRunner:
 
     def step(self, static: ForwardBatch) -> torch.Tensor:
         """Run the model on a staged bucket (recorded at capture): device metadata, the
-        forward, logits ``[S, vocab]`` at the last row of every slot."""
+        forward, logits ``[S, vocab]`` at the last row of every slot (``all_logits``:
+        ``[N, vocab]`` at every row)."""
         s = static.batch_size
         self.backend.init_forward_metadata_in_graph(static)
-        torch.sub(static.qo_indptr[1:], 1, out=self.logits_indices[:s])  # empty slots: row N - 1
+        if self.all_logits:
+            rows = self.token_rows[: static.num_tokens]
+        else:
+            rows = self.logits_indices[:s]
+            torch.sub(static.qo_indptr[1:], 1, out=rows)  # empty slots: row N - 1
         with use_forward_context(ForwardContext(self.backend, static)):
-            return self.runner.ragged(static.input_ids, static.positions, self.logits_indices[:s])
+            return self.runner.ragged(static.input_ids, static.positions, rows)
 
     # ------------------------------------------------------------------ capture
     def capture(self, progress=None, stream: "torch.cuda.Stream | None" = None) -> None:
         """Capture every bucket, largest first, into the shared pool (``progress``: a tqdm bar;
         ``stream``: the capture stream the model's runners share)."""
         stream = stream if stream is not None else torch.cuda.Stream()
-        if self.mempool is None:
-            self.mempool = torch.cuda.graph_pool_handle()
         for size in sorted(self.sizes, reverse=True):
             if progress is not None:
-                progress.set_postfix_str(f"prefill {size} tokens")
-            static = self.stage(None, size)
-            try:
-                self.backend.init_forward_metadata_out_graph(static, in_capture=True)
-                graph, out = capture_step(lambda: self.step(static), stream, self.mempool)
-            except Exception as exc:
-                raise CaptureError(f"capturing the prefill graph of {size} tokens failed: {exc}") from exc
-            self.graphs[size] = graph
-            self.outputs[size] = out
+                progress.set_postfix_str(f"{self.kind} {size} tokens")
+            self.capture_size(size, stream)
             if progress is not None:
                 progress.update(1)
         torch.cuda.synchronize()
-        logger.info("captured %d prefill CUDA graphs (token counts %s)", len(self.graphs), self.sizes)
+        logger.info("captured %d %s CUDA graphs (token counts %s)", len(self.graphs), self.kind, self.sizes)
+
+    @property
+    def kind(self) -> str:
+        return "verify" if self.all_logits else "prefill"
+
+    def capture_size(self, size: int, stream: torch.cuda.Stream) -> None:
+        """Capture bucket ``size`` (staged with padding only: it touches no request's pages)."""
+        if self.mempool is None:
+            self.mempool = torch.cuda.graph_pool_handle()
+        static = self.stage(None, size)
+        try:
+            self.backend.init_forward_metadata_out_graph(static, in_capture=True)
+            graph, out = capture_step(lambda: self.step(static), stream, self.mempool)
+        except Exception as exc:
+            raise CaptureError(f"capturing the {self.kind} graph of {size} tokens failed: {exc}") from exc
+        self.graphs[size] = graph
+        self.outputs[size] = out
 
     # ------------------------------------------------------------------ replay
     def bucket(self, n: int) -> int:
@@ -204,10 +221,14 @@ class ExtendGraphRunner:
         return batch.batch_size <= self.real_slots[self.bucket(n)]
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits ``[B, vocab]`` at the last new token of each request of ``batch``."""
+        """Logits ``[B, vocab]`` at the last new token of each request of ``batch``
+        (``all_logits``: ``[T, vocab]`` at each of its ``T`` new tokens). A bucket not captured
+        yet is captured first (`capture_size`), on the runner's capture stream."""
         size = self.bucket(batch.num_tokens)
+        if size not in self.graphs:
+            self.capture_size(size, self.runner.capture_stream)
         static = self.stage(batch, size)
         self.backend.init_forward_metadata_out_graph(static, in_capture=False)
         self.graphs[size].replay()
         self.replays += 1
-        return self.outputs[size][: batch.batch_size]
+        return self.outputs[size][: batch.num_tokens if self.all_logits else batch.batch_size]

@@ -45,6 +45,9 @@ class _CapturePlan(NamedTuple):
     @property
     def decode_captured(self) -> bool:
         return bool(self.capture_sizes)
+#: Most tokens of a step that a verify graph serves (logits at every token); a larger step of a
+#: speculative target runs without a graph.
+VERIFY_MAX_TOKENS = 256
 #: Fraction of free device memory the pool takes on CUDA when the config gives no size.
 CUDA_DEFAULT_KV_FRACTION = 0.4
 MAX_DEFAULT_CONTEXT = 32768
@@ -136,6 +139,12 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphRunner once captured
         self.piecewise = None  # PiecewiseGraphRunner once captured
         self.extend_graphs = None  # ExtendGraphRunner once captured
+        #: ExtendGraphRunner with logits at every token (speculative verify steps); its buckets
+        #: are captured the first time a step needs them.
+        self.verify_graphs = None
+        self.multi_step = None  # MultiStepDecodeGraphs (a draft's greedy decode steps)
+        self.capture_stream: "torch.cuda.Stream | None" = None  # shared by every capture
+        self.graph_mempool = None  # the graphs' shared memory pool
         self.graph_mode = config.resolved_cuda_graph(self.device.type)  # ConfigError for a mode the device lacks
         self._piecewise_state = None
         hook = None
@@ -381,6 +390,15 @@ class ModelRunner:
                 if r is not None:
                     r.capture(bar, stream=stream)
         self.piecewise, self.graphs, self.extend_graphs = pieces, decode, extend
+        self.capture_stream, self.graph_mempool = stream, mempool
+        if extend is not None:  # captured on first use: only speculative targets need them
+            sizes = tuple(n for n in extend.sizes if n <= VERIFY_MAX_TOKENS)
+            if sizes:
+                self.verify_graphs = ExtendGraphRunner(self, sizes, mempool=mempool, debug=debug, all_logits=True)
+        if decode is not None and self.backend.capabilities.decode_metadata_on_device:
+            from .multi_step_graph import MultiStepDecodeGraphs
+
+            self.multi_step = MultiStepDecodeGraphs(self, decode)  # captured on first use too
         torch.cuda.synchronize()
         logger.info(
             "cuda_graph=%s: captured %d prefill graphs (%s tokens), %d piecewise graphs (%s tokens) and "
@@ -414,6 +432,33 @@ class ModelRunner:
         with use_forward_context(ForwardContext(backend, batch)), self._after_capture():
             return self.ragged(batch.input_ids, batch.positions, logits_indices.to(self.device))
 
+    def forward_all(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run ``batch``; logits ``[T, vocab]`` at every one of its ``T`` new tokens (a
+        speculative target's verify step). A verify graph serves it when the step fits one."""
+        verify = self.verify_graphs
+        if verify is not None and verify.can_run(batch):
+            return verify.replay(batch)
+        return self.forward(batch, torch.arange(batch.num_tokens, device=self.device))
+
+    def decode_steps(self, rows: list[int], lengths: list[int], positions: list[int], tokens: torch.Tensor,
+                     steps: int) -> torch.Tensor:  # fmt: skip
+        """``steps`` greedy decode steps of the requests ``rows`` (``lengths``: tokens each holds;
+        ``positions``: the position of each one's next token; ``tokens: [B]`` device, the
+        tokens fed first). Step ``j`` feeds each request's argmax of step ``j - 1`` at
+        ``positions + j``. Returns the argmaxes ``[steps, B]`` (int64, device; nothing is read
+        on the host). The pages of ``lengths + steps`` tokens must be reserved.
+
+        One CUDA graph replays all steps when the backend's decode metadata lives on the
+        device (`MultiStepDecodeGraphs`), else a step runs at a time."""
+        if self.multi_step is not None and self.multi_step.can_run(len(rows), steps):
+            return self.multi_step.run(rows, lengths, positions, tokens, steps)
+        pool, out = self.pool, []
+        for j in range(steps):
+            batch = ForwardBatch.decode(pool, rows, [n + j for n in lengths], tokens, [p + j for p in positions])
+            tokens = torch.argmax(self.forward(batch).float(), dim=-1)
+            out.append(tokens)
+        return torch.stack(out) if out else torch.zeros(0, len(rows), dtype=torch.long, device=self.device)
+
     def _after_capture(self):
         """Steps above the largest bucket skip Dynamo's guards too once graphs are captured."""
         captured = self.piecewise is not None or self.extend_graphs is not None
@@ -430,6 +475,8 @@ class ModelRunner:
         self.graphs = None
         self.piecewise = None
         self.extend_graphs = None
+        self.verify_graphs = None
+        self.multi_step = None
         if self._piecewise_state is not None:
             self._piecewise_state.release()
         self.backend = None

@@ -190,13 +190,34 @@ class PagedCache(Cache):
             [self.next_positions[b] + i for b, c in zip(seqs, counts) for i in range(c)], dtype=torch.long
         ).to(self.pool.device, non_blocking=True)
         batch = ForwardBatch.build(self.pool, rows, prefix, counts, tokens.long(), positions)
-        rows = torch.arange(sum(counts), device=self.pool.device) if all_logits else None
-        logits = self.runner.forward(batch, rows)
+        logits = self.runner.forward_all(batch) if all_logits else self.runner.forward(batch)
         for b, n, c in zip(seqs, new_lens, counts):
             self.lengths[b] = n
             self.next_positions[b] += c
         self.ragged = True
         return logits
+
+    def greedy_steps(self, seqs: list[int], tokens: torch.Tensor, steps: int) -> torch.Tensor:
+        """Feed ``tokens: [len(seqs)]`` (device) to sequences ``seqs``, then ``steps - 1`` more
+        tokens, each sequence's argmax after the previous one: ``steps`` greedy decode steps
+        (`ModelRunner.decode_steps`: one CUDA graph where the backend allows). Returns the
+        argmaxes ``[steps, len(seqs)]`` on the device; each sequence then holds ``steps`` more
+        tokens (the last argmax is not fed). Like `extend_each`, a column-wise `crop` is
+        refused afterwards."""
+        if steps < 1 or tokens.shape != (len(seqs),):
+            raise InputError(f"greedy_steps needs steps >= 1 and one token per sequence, got {steps} and {tuple(tokens.shape)}")
+        check_token_ids(tokens, self.pool.device, "tokens")
+        if any(self.lengths[b] < 1 for b in seqs):
+            raise InputError("greedy_steps decodes after a prompt: every sequence must hold a token first")
+        rows = [self.rows[b] for b in seqs]
+        lengths = [self.lengths[b] for b in seqs]
+        self.pool.reserve(rows, [n + steps for n in lengths])  # all or nothing: raises before any write
+        out = self.runner.decode_steps(rows, lengths, [self.next_positions[b] for b in seqs], tokens.long(), steps)
+        for b in seqs:
+            self.lengths[b] += steps
+            self.next_positions[b] += steps
+        self.ragged = True
+        return out
 
     def truncate_each(self, seqs: list[int], lengths: list[int]) -> None:
         """Keep the first ``lengths[i]`` tokens of sequence ``seqs[i]`` (its newest ones are

@@ -9,8 +9,12 @@ pool) and the target runs one ragged step over its pending token plus its candid
 logits at every one. A request keeps the candidates its argmax agrees with, plus the argmax
 after the last one it kept (always at least one new token), and gives back the pool slots of
 the rest (`PagedCache.truncate_each`; the draft rolls back too). The tokens are those of plain
-greedy decoding; a round reads the device once for the target's argmaxes (and once for the
-draft's proposals).
+greedy decoding. A round reads the device once: the target's argmaxes together with the
+draft's proposals, which stay on the device until then.
+
+On CUDA with the Triton backend, the verify step replays a verify graph (`ModelRunner.forward_all`:
+a whole-step graph with logits at every token, captured per token bucket on first use) and the
+draft's decode steps replay as one graph per round (`ModelRunner.decode_steps`).
 
 Requests advance at their own pace (each keeps as many candidates as it agrees with), which a
 ragged step serves directly; transformers' own assisted loop takes one sequence only. Calls this
@@ -21,6 +25,7 @@ than max length / EOS, ...) run transformers' assisted loop instead, still on th
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
@@ -157,6 +162,16 @@ def _checked(model, input_ids, logits_processor, stopping_criteria, generation_c
     return _why_not(generation_config, logits_processor, stopping_criteria, streamer, cache, input_ids.shape[0], k)
 
 
+class _Proposal(NamedTuple):
+    """One round's candidates: ``counts[i]`` for the ``i``-th live request, held either on the
+    host (``host``: a list per request) or on the device (``device``: ``[sum(counts)]`` int64,
+    request-major), in which case the verify step's one read brings them back with its own."""
+
+    counts: list[int]
+    host: list[list[int]] | None = None
+    device: torch.Tensor | None = None
+
+
 class _LookupProposer:
     """Candidates by n-gram lookup in each sequence's own tokens (`lookup_candidates`)."""
 
@@ -166,11 +181,12 @@ class _LookupProposer:
     def start(self, input_ids, mask, position_ids, prompts: list[list[int]]) -> None:
         self.prompts = prompts
 
-    def propose(self, live: list[int], pending: list[int], outputs: list[list[int]], budgets: list[int]) -> list[list[int]]:
-        return [
+    def propose(self, live: list[int], pending: list[int], outputs: list[list[int]], budgets: list[int]) -> _Proposal:
+        cands = [
             lookup_candidates(self.prompts[b] + outputs[b], min(self.k, budget), self.max_ngram)
             for b, budget in zip(live, budgets)
         ]
+        return _Proposal([len(c) for c in cands], host=cands)
 
     def accepted(self, live: list[int], cands: list[list[int]], kept: list[int]) -> None:
         """Nothing to roll back: lookup holds no state."""
@@ -181,10 +197,12 @@ class _DraftProposer:
 
     The draft lags the target by the tokens it has not consumed yet (``unseen``: the last
     round's pending token, and a last candidate it proposed but never fed); each round feeds
-    them and the pending token in one ragged step, then runs one decode step per further
-    candidate. The proposals stay on the device until the round's one read. With ``adaptive``
-    (transformers' "heuristic" schedules) a sequence's k grows by 2 after a round whose
-    candidates were all kept and shrinks by 1 (to at least 1) otherwise, within this call."""
+    them and the pending token in one ragged step, then runs the further greedy decode steps
+    (`PagedCache.greedy_steps`: one CUDA graph for all of them where the backend allows). The
+    proposals stay on the device; the target's verify step reads them back with its own
+    argmaxes. With ``adaptive`` (transformers' "heuristic" schedules) a sequence's k grows by 2
+    after a round whose candidates were all kept and shrinks by 1 (to at least 1) otherwise,
+    within this call."""
 
     def __init__(self, cache: PagedCache, k: int, adaptive: bool) -> None:
         self.cache, self.k0, self.adaptive = cache, k, adaptive
@@ -195,7 +213,7 @@ class _DraftProposer:
         self.k = [self.k0] * len(prompts)
         self.cap = self.k0 + 2 * MAX_DRAFT_GROWTH * self.adaptive
 
-    def propose(self, live: list[int], pending: list[int], outputs: list[list[int]], budgets: list[int]) -> list[list[int]]:
+    def propose(self, live: list[int], pending: list[int], outputs: list[list[int]], budgets: list[int]) -> _Proposal:
         ks = [min(self.k[b], budget) for b, budget in zip(live, budgets)]
         self.fed_at = {}  # b -> draft length after its feed
         feeds = {b: self.unseen[b] + [pending[b]] for b in live}
@@ -204,36 +222,34 @@ class _DraftProposer:
             if k == 0:
                 self.unseen[b] = feeds[b]  # nothing to propose: it stays behind
         if not active:
-            return [[] for _ in live]
+            return _Proposal([0] * len(live), host=[[] for _ in live])
         want = dict(zip(live, ks))
         device = self.cache.pool.device
         ids = torch.tensor([t for b in active for t in feeds[b]], dtype=torch.long, device=device)
-        counts = [len(feeds[b]) for b in active]
-        logits = self.cache.extend_each(active, ids, counts, all_logits=False)  # [len(active), V]
-        tokens = torch.argmax(logits.float(), dim=-1)  # on the device
+        logits = self.cache.extend_each(active, ids, [len(feeds[b]) for b in active], all_logits=False)  # [A, V]
+        first = torch.argmax(logits.float(), dim=-1)  # each active request's first proposal
         for b in active:
             self.fed_at[b] = self.cache.lengths[b]
             self.unseen[b] = []
-        proposed = {b: [tokens[i]] for i, b in enumerate(active)}
-        step = 1
-        while True:
-            more = [i for i, b in enumerate(active) if want[b] > step]
-            if not more:
-                break
-            sub = [active[i] for i in more]
-            idx = torch.tensor(more, device=device)
-            logits = self.cache.extend_each(sub, tokens[idx], [1] * len(sub), all_logits=False)  # a decode step
-            nxt = torch.argmax(logits.float(), dim=-1)
-            tokens = torch.zeros_like(tokens).index_copy_(0, idx, nxt)
-            for j, b in enumerate(sub):
-                proposed[b].append(nxt[j])
-            step += 1
-        flat = torch.stack([t for b in active for t in proposed[b]]).tolist()  # the round's read
-        out, start = {}, 0
-        for b in active:
-            out[b] = flat[start : start + len(proposed[b])]
-            start += len(proposed[b])
-        return [out.get(b, []) for b in live]
+        # Requests that want as many proposals decode together: nobody steps past its own k.
+        pieces, where = [first], {}  # where[b] = (offset of b's later proposals, stride)
+        offset = first.numel()
+        for w in sorted({want[b] for b in active if want[b] > 1}):
+            group = [i for i, b in enumerate(active) if want[b] == w]
+            idx = torch.tensor(group, device=device)
+            steps = self.cache.greedy_steps([active[i] for i in group], first.index_select(0, idx), w - 1)  # [w-1, g]
+            pieces.append(steps.reshape(-1))
+            for pos, i in enumerate(group):
+                where[active[i]] = (offset + pos, len(group))
+            offset += steps.numel()
+        gather = []  # request-major: b's first proposal, then its later ones
+        for i, b in enumerate(active):
+            gather.append(i)
+            if b in where:
+                start, stride = where[b]
+                gather.extend(start + stride * j for j in range(want[b] - 1))
+        flat = torch.cat(pieces).index_select(0, torch.tensor(gather, device=device))
+        return _Proposal([want[b] if b in self.fed_at else 0 for b in live], device=flat)
 
     def accepted(self, live: list[int], cands: list[list[int]], kept: list[int]) -> None:
         """Roll the draft back to the kept candidates: it fed all but its last proposal."""
@@ -272,9 +288,9 @@ def _speculative_greedy(proposer, input_ids, stopping_criteria, generation_confi
     while not all(done):
         live = [b for b in range(bsz) if not done[b]]
         # Each live request feeds its pending token and its candidates: 1 + c_b tokens, ragged.
-        cands = proposer.propose(live, pending, outputs, [steps - len(outputs[b]) - 1 for b in live])
-        fed = [[pending[b]] + c for b, c in zip(live, cands)]
-        preds = _verify(cache, live, fed)  # per live request: argmax after each fed token
+        proposal = proposer.propose(live, pending, outputs, [steps - len(outputs[b]) - 1 for b in live])
+        # per live request: its candidates, and the argmax after each token it fed
+        cands, preds = _verify(cache, live, [pending[b] for b in live], proposal)
         kept = []
         for b, c, p in zip(live, cands, preds):
             n = 0
@@ -297,16 +313,34 @@ def _speculative_greedy(proposer, input_ids, stopping_criteria, generation_confi
     return torch.cat([input_ids, torch.tensor(out, dtype=input_ids.dtype, device=input_ids.device)], dim=1)
 
 
-def _verify(cache: PagedCache, live: list[int], fed: list[list[int]]) -> list[list[int]]:
-    """One step of the tokens ``fed[i]`` appended to request ``live[i]``; the argmax of the
-    logits after each of them, read on the host (the round's one sync)."""
+def _verify(cache: PagedCache, live: list[int], pending: list[int], proposal: _Proposal) -> tuple[list[list[int]], list[list[int]]]:
+    """One step of request ``live[i]``'s pending token and its candidates; returns the
+    candidates and the argmax of the logits after each fed token, both on the host (the
+    round's one read of the device)."""
     device = cache.pool.device
-    ids = torch.tensor([t for f in fed for t in f], dtype=torch.long, device=device)
+    counts = [1 + c for c in proposal.counts]
+    if proposal.device is None:
+        ids = torch.tensor([t for p, c in zip(pending, proposal.host) for t in [p] + c], dtype=torch.long, device=device)
+    else:  # [pending..., candidates...] permuted request-major: one copy up, one gather
+        order, start = [], len(pending)
+        for i, c in enumerate(proposal.counts):
+            order += [i] + list(range(start, start + c))
+            start += c
+        host = torch.tensor(pending + order, dtype=torch.long).to(device, non_blocking=True)
+        ids = torch.cat([host[: len(pending)], proposal.device]).index_select(0, host[len(pending) :])
     # [T, V]; a round without candidates is a decode step: its graph serves it
-    logits = cache.extend_each(live, ids, [len(f) for f in fed], all_logits=any(len(f) > 1 for f in fed))
-    flat = torch.argmax(logits.float(), dim=-1).tolist()
+    logits = cache.extend_each(live, ids, counts, all_logits=any(c > 1 for c in counts))
+    preds = torch.argmax(logits.float(), dim=-1)
+    if proposal.device is None:
+        flat, cands = preds.tolist(), proposal.host
+    else:
+        both = torch.cat([preds, proposal.device]).tolist()
+        flat, rest, cands, start = both[: preds.numel()], both[preds.numel() :], [], 0
+        for c in proposal.counts:
+            cands.append(rest[start : start + c])
+            start += c
     out, start = [], 0
-    for f in fed:
-        out.append(flat[start : start + len(f)])
-        start += len(f)
-    return out
+    for n in counts:
+        out.append(flat[start : start + n])
+        start += n
+    return cands, out

@@ -94,3 +94,33 @@ def test_too_many_requests_for_a_bucket_are_not_served():
     assert not extend.can_run(batch)
     for r in rows:
         runner.pool.free_request(r)
+
+
+@pytest.mark.parametrize("backend", ["torch_native", "triton"])
+def test_staged_verify_bucket_gives_logits_at_every_token(backend):
+    """The verify graphs' layout (``all_logits``): the staged step's rows ``[:n]`` are the
+    unpadded step's logits at every new token."""
+    if backend == "triton" and not cpu_triton():
+        pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1 before import (tests/conftest.py)")
+    g = torch.Generator().manual_seed(11)
+    model = build_model("llama", "sdpa", seed=5)
+    config = CompileConfig(attention_backend=backend, page_size=4, kv_cache_tokens=256, max_requests=4, max_context_len=16)
+    runner = ModelRunner(model, config)
+    runner.warmup()
+    verify = ExtendGraphRunner(runner, (8, 16), all_logits=True)
+    pool = runner.pool
+    for lens, prefix in (([5], [6]), ([2, 4, 3], [3, 1, 7]), ([1, 1], [2, 9])):
+        rows, batch = _prefill(runner, lens, prefix, g)
+        snapshot = [k.clone() for k in pool.k_buffers]
+        want = runner.forward(batch, torch.arange(batch.num_tokens))  # unpadded, every token
+        for k, s in zip(pool.k_buffers, snapshot):
+            k.copy_(s)
+        size = verify.bucket(batch.num_tokens)
+        static = verify.stage(batch, size)
+        runner.backend.init_forward_metadata_out_graph(static)
+        got = verify.step(static)
+        assert got.shape[0] == size  # one row per token of the bucket
+        assert not torch.equal(got[: batch.num_tokens], torch.zeros_like(want))
+        torch.testing.assert_close(got[: batch.num_tokens], want, rtol=1e-5, atol=1e-5)
+        for r in rows:
+            pool.free_request(r)

@@ -47,9 +47,9 @@ def count_rounds(monkeypatch):
     rounds = []
     verify = speculative._verify
 
-    def spy(cache, live, fed):
-        rounds.append([len(f) for f in fed])
-        return verify(cache, live, fed)
+    def spy(cache, live, pending, proposal):
+        rounds.append([1 + c for c in proposal.counts])
+        return verify(cache, live, pending, proposal)
 
     monkeypatch.setattr(speculative, "_verify", spy)
     return rounds
