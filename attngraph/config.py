@@ -50,6 +50,18 @@ class CompileConfig:
     prefill_attention_backend, decode_attention_backend:
         Override the backend for prefill (EXTEND/MIXED) or DECODE steps only; when they differ
         a `HybridBackend` routes by mode. ``None`` inherits ``attention_backend``.
+    verify_attention_backend:
+        The backend of a speculative target's verify steps (its candidates, logits at every
+        token; `ModelRunner.forward_all`). ``None``: the prefill backend serves them. Verify
+        steps replay CUDA graphs only with a backend that captures extend attention (Triton):
+        on an H200 a 5-token verify step then costs about one decode step, and several times
+        that without graphs.
+    draft_attention_backend:
+        The backend with which an ``assistant_model`` that is not accelerated is accelerated
+        on its first use by this model's ``generate`` (it then stays accelerated;
+        `attngraph.restore` undoes it). ``None``: this config's ``attention_backend``. The
+        draft's decode steps of a round replay as one CUDA graph only with a backend whose
+        decode attention plans on the device (Triton).
     cuda_graph:
         How the paged runtime uses CUDA graphs (CUDA only; on another device only ``"none"``
         and ``"auto"`` are accepted):
@@ -134,6 +146,8 @@ class CompileConfig:
     attention_backend: str = "auto"
     prefill_attention_backend: str | None = None
     decode_attention_backend: str | None = None
+    verify_attention_backend: str | None = None
+    draft_attention_backend: str | None = None
     cuda_graph: str = "auto"
     cuda_graph_capture_sizes: tuple[int, ...] = field(default_factory=default_capture_sizes)
     cuda_graph_num_tokens: tuple[int, ...] = field(default_factory=default_num_tokens)
@@ -156,7 +170,8 @@ class CompileConfig:
         from .attn_backends.registry import known_backend_names
 
         names = known_backend_names() + ("auto",)
-        for fname in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
+        for fname in ("attention_backend", "prefill_attention_backend", "decode_attention_backend",
+                      "verify_attention_backend", "draft_attention_backend"):  # fmt: skip
             value = getattr(self, fname)
             if value is None and fname != "attention_backend":
                 continue

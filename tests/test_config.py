@@ -18,6 +18,8 @@ def test_defaults_are_valid_and_frozen():
     [
         (dict(attention_backend="nope"), "attention_backend"),
         (dict(decode_attention_backend="nope"), "decode_attention_backend"),
+        (dict(verify_attention_backend="nope"), "verify_attention_backend"),
+        (dict(draft_attention_backend="nope"), "draft_attention_backend"),
         (dict(cuda_graph="sometimes"), "cuda_graph"),
         (dict(piece_compiler="tvm"), "piece_compiler"),
         (dict(page_size=0), "page_size"),

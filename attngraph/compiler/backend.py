@@ -207,7 +207,8 @@ def make_backend(**config: Any) -> AttnGraphBackend:
     its ``.inner_exception`` is attngraph's error).
     """
     cfg = CompileConfig.from_kwargs(**config)
-    for name in dict.fromkeys((cfg.attention_backend, cfg.prefill_attention_backend, cfg.decode_attention_backend)):
+    for name in dict.fromkeys((cfg.attention_backend, cfg.prefill_attention_backend, cfg.decode_attention_backend,
+                               cfg.verify_attention_backend, cfg.draft_attention_backend)):
         if name is not None:
             check_usable_here(name)
     return AttnGraphBackend(cfg)

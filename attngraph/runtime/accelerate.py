@@ -38,7 +38,7 @@ _RECOMPILE_LIMIT_HIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())
 SUPPORTED_MODES = (
     "greedy decoding and multinomial sampling (temperature, top-k, top-p, logits processors), num_beams=1, "
     "greedy speculative decoding for batches (prompt_lookup_num_tokens, or an accelerated assistant_model), and "
-    "other assisted generation at batch size 1 (with sampling, or an assistant_model that is not accelerated)"
+    "other assisted generation at batch size 1 (with sampling, or an assistant_model that cannot be accelerated)"
 )
 
 
@@ -245,6 +245,8 @@ def _generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             # keyword of the loop's own.
             loop = {"custom_generate": paged_sample, "attngraph_streamer": kwargs.get("streamer")}
             assistant = kwargs.get("assistant_model")
+            if assistant is not None:
+                _accelerate_assistant(model, state, assistant)
             if assistant is not None and _own_assisted_loop(model, assistant, kwargs):
                 # Greedy with an accelerated assistant of the same vocabulary: attngraph's
                 # speculative loop (batches, ragged steps on both pools), or HF's assisted loop
@@ -272,6 +274,38 @@ def _generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         finally:
             if not keep:
                 cache.free()
+
+
+def _accelerate_assistant(model: torch.nn.Module, state: AcceleratedState, assistant: torch.nn.Module) -> None:
+    """Accelerate an ``assistant_model`` that is not accelerated yet, in place, with this
+    model's config (backend: ``draft_attention_backend``, else ``attention_backend``; a pool of
+    as many tokens as this model's). It stays accelerated for later calls (`restore` undoes
+    it). One that cannot be (another device, an unsupported model) is left as it is, with a
+    warning, and transformers' assisted loop runs it."""
+    if assistant is model or getattr(assistant, _STATE_ATTR, None) is not None:
+        return
+    params = next(assistant.parameters(), None)
+    runner = state.runner
+    if params is None or params.device != runner.device:
+        logger.warning(
+            "attngraph: the assistant_model is on %s, the model on %s; it is not accelerated (move it to %s "
+            "for attngraph's speculative loop)", None if params is None else params.device, runner.device,
+            runner.device,
+        )  # fmt: skip
+        return
+    cfg = state.config
+    draft_cfg = cfg.replace(
+        attention_backend=cfg.draft_attention_backend or cfg.attention_backend, prefill_attention_backend=None,
+        decode_attention_backend=None, verify_attention_backend=None, draft_attention_backend=None,
+        kv_cache_tokens=runner.pool.capacity_tokens(), kv_memory_fraction=None,
+    )  # fmt: skip
+    logger.info("attngraph: accelerating the assistant_model %s (%s attention)", type(assistant).__name__,
+                draft_cfg.attention_backend)  # fmt: skip
+    try:
+        accelerate(assistant, draft_cfg)
+    except AttnGraphError as exc:
+        logger.warning("attngraph: the assistant_model could not be accelerated (%s); transformers' assisted "
+                       "loop runs it as it is", exc)  # fmt: skip
 
 
 def _own_assisted_loop(model: torch.nn.Module, assistant: torch.nn.Module, kwargs: dict) -> bool:

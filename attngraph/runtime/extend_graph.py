@@ -56,10 +56,11 @@ def slots_for_bucket(num_tokens: int, max_requests: int, row_tokens: int) -> int
 class ExtendGraphRunner:
     """Captures and replays non-decode steps of a `ModelRunner` (see the module docstring)."""
 
-    def __init__(self, runner, sizes: tuple[int, ...], mempool=None, debug: bool = False, all_logits: bool = False) -> None:
+    def __init__(self, runner, sizes: tuple[int, ...], mempool=None, debug: bool = False, all_logits: bool = False,
+                 backend=None) -> None:  # fmt: skip
         self.runner = runner
         self.all_logits = all_logits
-        self.backend = runner.backend
+        self.backend = backend if backend is not None else runner.backend
         pool = runner.pool
         self.pool = pool
         self.sizes = sorted(sizes)

@@ -142,6 +142,8 @@ class ModelRunner:
         #: ExtendGraphRunner with logits at every token (speculative verify steps); its buckets
         #: are captured the first time a step needs them.
         self.verify_graphs = None
+        #: The backend of verify steps (`CompileConfig.verify_attention_backend`; else `backend`).
+        self.verify_backend: AttentionBackend | None = None
         self.multi_step = None  # MultiStepDecodeGraphs (a draft's greedy decode steps)
         self.capture_stream: "torch.cuda.Stream | None" = None  # shared by every capture
         self.graph_mempool = None  # the graphs' shared memory pool
@@ -296,6 +298,19 @@ class ModelRunner:
 
         self.backend = create_attention_backend(self.config, spec=self.spec)
         self.backend.set_layer_kinds([s.as_layer() for s in sites])
+        self.verify_backend = self.backend
+        verify = self.config.verify_attention_backend
+        if verify is not None:
+            from ..attn_backends.registry import resolve_backend_name
+
+            cfg = self.config
+            prefill = cfg.prefill_attention_backend or cfg.attention_backend
+            if resolve_backend_name(verify, self.spec) != resolve_backend_name(prefill, self.spec):
+                self.verify_backend = create_attention_backend(
+                    cfg.replace(attention_backend=verify, prefill_attention_backend=None, decode_attention_backend=None),
+                    spec=self.spec,
+                )
+                self.verify_backend.set_layer_kinds([s.as_layer() for s in sites])
         self._geometry = g
         logger.info(
             "attention backend: %s; %d layers, %d query / %d KV heads of dim %d",
@@ -391,10 +406,14 @@ class ModelRunner:
                     r.capture(bar, stream=stream)
         self.piecewise, self.graphs, self.extend_graphs = pieces, decode, extend
         self.capture_stream, self.graph_mempool = stream, mempool
-        if extend is not None:  # captured on first use: only speculative targets need them
-            sizes = tuple(n for n in extend.sizes if n <= VERIFY_MAX_TOKENS)
-            if sizes:
-                self.verify_graphs = ExtendGraphRunner(self, sizes, mempool=mempool, debug=debug, all_logits=True)
+        verify = self.verify_backend
+        limit = self.max_step_tokens or float("inf")
+        sizes = tuple(n for n in self.config.cuda_graph_num_tokens if n <= min(limit, VERIFY_MAX_TOKENS))
+        if (mode in ("full", "full_and_piecewise") and sizes
+                and verify.capabilities.graph_support.get("extend", GraphSupport.NEVER) >= GraphSupport.FULL):  # fmt: skip
+            # captured on first use: only speculative targets need them
+            self.verify_graphs = ExtendGraphRunner(self, sizes, mempool=mempool, debug=debug, all_logits=True,
+                                                   backend=verify)  # fmt: skip
         if decode is not None and self.backend.capabilities.decode_metadata_on_device:
             from .multi_step_graph import MultiStepDecodeGraphs
 
@@ -413,12 +432,7 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """Run ``batch``; returns logits ``[L, vocab]`` of the token rows ``logits_indices: [L]``
         (default: the last new token of each request, ``L = batch_size``)."""
-        if self.max_step_tokens is not None and batch.num_tokens > self.max_step_tokens:
-            raise InputError(
-                f"a step of {batch.num_tokens} tokens: {type(self.model).__name__}'s traced forward holds at most "
-                f"{self.max_step_tokens} tokens per step (its own code limits the sequence length); give fewer or "
-                "shorter sequences per call"
-            )
+        self._check_step_tokens(batch)
         if logits_indices is None:
             if self.graphs is not None and self.graphs.can_run(batch):
                 return self.graphs.replay(batch)
@@ -427,10 +441,22 @@ class ModelRunner:
             logits_indices = batch.qo_indptr[1:].long() - 1
         if self.piecewise is not None and self.piecewise.can_run(batch):
             return self.piecewise.run(batch, logits_indices)
-        backend = self.backend or self._reference  # serves a call that compiles (the sites pick the backend)
+        # (self.backend is None during the call that compiles: the sites pick the backend)
+        return self._eager(batch, logits_indices, self.backend or self._reference)
+
+    def _eager(self, batch: ForwardBatch, logits_indices: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        """The compiled model run without graphs, ``backend`` serving its attention."""
         backend.init_forward_metadata(batch)
         with use_forward_context(ForwardContext(backend, batch)), self._after_capture():
             return self.ragged(batch.input_ids, batch.positions, logits_indices.to(self.device))
+
+    def _check_step_tokens(self, batch: ForwardBatch) -> None:
+        if self.max_step_tokens is not None and batch.num_tokens > self.max_step_tokens:
+            raise InputError(
+                f"a step of {batch.num_tokens} tokens: {type(self.model).__name__}'s traced forward holds at most "
+                f"{self.max_step_tokens} tokens per step (its own code limits the sequence length); give fewer or "
+                "shorter sequences per call"
+            )
 
     def forward_all(self, batch: ForwardBatch) -> torch.Tensor:
         """Run ``batch``; logits ``[T, vocab]`` at every one of its ``T`` new tokens (a
@@ -438,7 +464,11 @@ class ModelRunner:
         verify = self.verify_graphs
         if verify is not None and verify.can_run(batch):
             return verify.replay(batch)
-        return self.forward(batch, torch.arange(batch.num_tokens, device=self.device))
+        rows = torch.arange(batch.num_tokens, device=self.device)
+        if self.verify_backend is None or self.verify_backend is self.backend:
+            return self.forward(batch, rows)
+        self._check_step_tokens(batch)
+        return self._eager(batch, rows, self.verify_backend)
 
     def decode_steps(self, rows: list[int], lengths: list[int], positions: list[int], tokens: torch.Tensor,
                      steps: int) -> torch.Tensor:  # fmt: skip
@@ -476,6 +506,7 @@ class ModelRunner:
         self.piecewise = None
         self.extend_graphs = None
         self.verify_graphs = None
+        self.verify_backend = None
         self.multi_step = None
         if self._piecewise_state is not None:
             self._piecewise_state.release()

@@ -69,9 +69,39 @@ def test_an_unaccelerated_assistant_drafts_for_the_accelerated_target(assistant_
     kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=PAD, eos_token_id=None)
     with torch.no_grad():
         want = reference.generate(ids, **kw)
-    got = model.generate(ids, assistant_model=copy.deepcopy(assistant), **kw)
+    draft = copy.deepcopy(assistant)
+    got = model.generate(ids, assistant_model=draft, **kw)
     assert torch.equal(got, want)
     assert state_of(model).runner.pool.num_used_pages == 0
+    # accelerated on its first use, with the target's config and a pool as large as the target's
+    draft_runner = state_of(draft).runner
+    assert draft_runner.config.attention_backend == "torch_native"
+    assert draft_runner.pool.capacity_tokens() == state_of(model).runner.pool.capacity_tokens()
+    assert draft_runner.pool.num_used_pages == 0
+    assert torch.equal(model.generate(ids, assistant_model=draft, **kw), want)  # the second call reuses it
+    assert draft_runner.num_compilations == 1
+
+
+def test_an_assistant_that_cannot_be_accelerated_runs_as_it_is(monkeypatch, caplog):
+    from attngraph.errors import UnsupportedModelError
+    from attngraph.runtime import accelerate as accelerate_module
+
+    def refuse(model, config=None, **options):
+        raise UnsupportedModelError("not this one")
+
+    model, reference = accelerated_pair("llama")
+    monkeypatch.setattr(accelerate_module, "accelerate", refuse)
+    assistant = build_model("llama", "sdpa", seed=7)
+    assistant.generation_config.num_assistant_tokens = 3
+    ids = repetitive_prompt(model.config.vocab_size, seed=4)
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=PAD, eos_token_id=None)
+    with torch.no_grad():
+        want = reference.generate(ids, **kw)
+    with caplog.at_level("WARNING", logger="attngraph.runtime.accelerate"):
+        got = model.generate(ids, assistant_model=assistant, **kw)
+    assert torch.equal(got, want)
+    assert "could not be accelerated (not this one)" in caplog.text
+    assert getattr(assistant, "_attngraph_state", None) is None and state_of(model).runner.pool.num_used_pages == 0
 
 
 @pytest.mark.parametrize("accelerate_target", [True, False])

@@ -244,3 +244,42 @@ def test_adaptive_draft_length_and_eos(monkeypatch):
     assert torch.equal(got, want)
     assert [max(r) for r in rounds[:3]] == [3, 5, 7]  # k = 2, 4, 6: all kept, so k grows
     assert state_of(draft).runner.pool.num_used_pages == 0 and state_of(model).runner.pool.num_used_pages == 0
+
+
+# ------------------------------------------------------------------------------ backend per role
+def test_verify_attention_backend_serves_the_verify_steps(monkeypatch):
+    """``verify_attention_backend`` names the backend of the target's verify steps; prefill and
+    decode stay on ``attention_backend``. The tokens are plain greedy's either way."""
+    from attngraph.attn_backends.triton_backend import TritonBackend
+
+    from .test_soak import cpu_triton
+
+    if not cpu_triton():
+        pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1 before import (tests/conftest.py)")
+    model = build_model("llama", "sdpa", seed=0)
+    reference = copy.deepcopy(model)
+    attngraph.accelerate(model, attention_backend="torch_native", verify_attention_backend="triton", page_size=4)
+    runner = state_of(model).runner
+    assert isinstance(runner.verify_backend, TritonBackend) and not isinstance(runner.backend, TritonBackend)
+    calls = {"verify": 0, "other": 0}
+    for name, backend in (("verify", runner.verify_backend), ("other", runner.backend)):
+        real = backend.forward_extend
+
+        def spy(*a, _real=real, _name=name, **k):
+            calls[_name] += 1
+            return _real(*a, **k)
+
+        monkeypatch.setattr(backend, "forward_extend", spy)
+    ids, mask = repetitive_batch(model.config.vocab_size, seed=2, lengths=(13, 9))
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=PAD, eos_token_id=None)
+    with torch.no_grad():
+        want = reference.generate(ids, attention_mask=mask, **kw)
+    rounds = count_rounds(monkeypatch)
+    got = model.generate(ids, attention_mask=mask, prompt_lookup_num_tokens=3, **kw)
+    assert torch.equal(got, want)
+    verify_rounds = sum(1 for r in rounds if max(r) > 1)  # rounds with candidates: extend steps
+    assert verify_rounds > 0
+    layers = runner.geometry.num_layers
+    assert calls["verify"] == verify_rounds * layers
+    assert calls["other"] == layers  # the prefill only
+    assert runner.pool.num_used_pages == 0

@@ -99,12 +99,11 @@ def test_speculative_generate_with_graphs_agrees_with_hf(k):
     positions, and the verify and multi-step graphs served the rounds."""
     model = model_of("llama")
     reference = copy.deepcopy(model)
-    draft = copy.deepcopy(model)
+    draft = copy.deepcopy(model)  # accelerated by the first call, with the target's config
     attngraph.accelerate(model, **GRAPHS)
-    attngraph.accelerate(draft, **GRAPHS)
     draft.generation_config.num_assistant_tokens = k
     ids, mask = batch(model.config.vocab_size)
-    runner, draft_runner = state_of(model).runner, state_of(draft).runner
+    runner = state_of(model).runner
     new = 48
     for kwargs in (dict(assistant_model=draft), dict(prompt_lookup_num_tokens=k)):
         out = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
@@ -115,7 +114,34 @@ def test_speculative_generate_with_graphs_agrees_with_hf(k):
             hf = reference(out, attention_mask=full_mask).logits[:, ids.shape[1] - 1 : -1].argmax(-1)
         agree = (hf == out[:, ids.shape[1] :]).float().mean().item()
         assert agree >= 0.95, f"{kwargs}: generated tokens are HF eager's greedy choice at {agree:.1%} of positions"
+        draft_runner = state_of(draft).runner
         assert runner.pool.num_used_pages == 0 and draft_runner.pool.num_used_pages == 0
     assert runner.verify_graphs.replays > 0
     if k > 1:
         assert draft_runner.multi_step.replays > 0
+
+
+def test_triton_verify_graphs_under_flashinfer():
+    """``verify_attention_backend="triton"`` on a FlashInfer model: FlashInfer serves prefill and
+    decode, Triton's verify graphs serve the verify steps. The draft (accelerated by the call,
+    on FlashInfer) runs its decode steps a replay at a time: FlashInfer plans on the host."""
+    pytest.importorskip("flashinfer")
+    model = model_of("llama")
+    reference = copy.deepcopy(model)
+    attngraph.accelerate(model, **{**GRAPHS, "attention_backend": "flashinfer"}, verify_attention_backend="triton")
+    runner = state_of(model).runner
+    assert runner.verify_graphs is not None and runner.verify_graphs.backend is runner.verify_backend
+    assert runner.verify_backend is not runner.backend
+    draft = copy.deepcopy(reference)
+    draft.generation_config.num_assistant_tokens = 3
+    ids, mask = batch(model.config.vocab_size)
+    new = 32
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
+                         eos_token_id=None, assistant_model=draft)  # fmt: skip
+    assert state_of(draft).runner.multi_step is None
+    full_mask = torch.cat([mask, torch.ones_like(out[:, ids.shape[1] :])], 1)
+    with torch.no_grad():
+        hf = reference(out, attention_mask=full_mask).logits[:, ids.shape[1] - 1 : -1].argmax(-1)
+    agree = (hf == out[:, ids.shape[1] :]).float().mean().item()
+    assert agree >= 0.95, f"generated tokens are HF eager's greedy choice at {agree:.1%} of positions"
+    assert runner.verify_graphs.replays > 0 and runner.pool.num_used_pages == 0
