@@ -204,6 +204,8 @@ class PagedCache(Cache):
         argmaxes ``[steps, len(seqs)]`` on the device; each sequence then holds ``steps`` more
         tokens (the last argmax is not fed). Like `extend_each`, a column-wise `crop` is
         refused afterwards."""
+        if not seqs:
+            raise InputError("greedy_steps needs at least one sequence")
         if steps < 1 or tokens.shape != (len(seqs),):
             raise InputError(f"greedy_steps needs steps >= 1 and one token per sequence, got {steps} and {tuple(tokens.shape)}")
         check_token_ids(tokens, self.pool.device, "tokens")

@@ -52,6 +52,10 @@ def test_greedy_steps_match_steps_one_at_a_time():
         a.greedy_steps(seqs, first[:1], 2)
     with pytest.raises(InputError, match="steps >= 1"):
         a.greedy_steps(seqs, first, 0)
+    with pytest.raises(InputError, match="at least one sequence"):
+        a.greedy_steps([], first[:0], 2)
+    with pytest.raises(InputError, match="integer token ids"):
+        a.greedy_steps(seqs, first.float(), 2)
     assert a.lengths == b.lengths  # refusals change nothing
     a.free(), b.free()
     assert runner.pool.num_used_pages == 0
