@@ -11,7 +11,13 @@ step:
   request per step) and the sampled tokens stay on the device, so decode steps replay the
   captured CUDA graph back to back;
 * "all sequences finished" is read every `STOP_CHECK_EVERY` steps; steps run past the
-  finishing one are cut off the output, so the result equals HF's.
+  finishing one are cut off the output, so the result equals HF's;
+* greedy search with no logits processor (`greedy_chunks`) runs `GREEDY_CHUNK` steps per call
+  of `PagedCache.decode_greedy`: one CUDA graph of all of them where the backend's decode
+  metadata lives on the device, the argmax of each step fed to the next inside it. EOS and
+  padding are applied to a chunk's tokens afterwards, on the device, and a chunk's "all
+  finished" flags are read after the next chunk is launched, so the device never waits for
+  the host.
 
 Anything outside that scope (streamers, ``return_dict_in_generate``, ``use_cache=False``,
 chunked prefill, stopping criteria other than max length / EOS) runs HF's own `_sample`, still
@@ -36,6 +42,10 @@ logger = logging.getLogger(__name__)
 
 #: Steps between reads of the "all finished" flag (each read waits for the device).
 STOP_CHECK_EVERY = 8
+
+#: Greedy decode steps per `PagedCache.decode_greedy` call (a remainder runs in chunks of
+#: powers of two, so each batch size captures at most four multi-step graphs).
+GREEDY_CHUNK = 8
 
 
 def why_not_own_loop(stopping_criteria: StoppingCriteriaList, generation_config, streamer, cache, batch_size: int) -> str | None:
@@ -144,6 +154,10 @@ def paged_sample(
     if steps <= 0:
         return input_ids
 
+    if not do_sample and len(logits_processor) == 0:
+        eos = next((c.eos_token_id for c in stopping_criteria if isinstance(c, EosTokenCriteria)), None)
+        return greedy_chunks(cache, input_ids, model_kwargs, steps, eos, pad)
+
     unfinished = torch.ones(bsz, dtype=torch.long, device=input_ids.device)
     all_done: list[torch.Tensor] = []  # per step: 0-d bool, every sequence finished after it
     rng = _RngTrail(input_ids.device) if do_sample else None
@@ -176,3 +190,62 @@ def paged_sample(
         if not last:
             logits = cache.decode_step(next_tokens)[:, -1]
     return input_ids
+
+
+def _chunk_sizes(steps: int) -> list[int]:
+    """``steps`` decode steps as chunks of `GREEDY_CHUNK`, the remainder in powers of two."""
+    sizes = [GREEDY_CHUNK] * (steps // GREEDY_CHUNK)
+    rest = steps % GREEDY_CHUNK
+    while rest:
+        sizes.append(1 << (rest.bit_length() - 1))
+        rest -= sizes[-1]
+    return sizes
+
+
+def _finish_chunk(tokens: torch.Tensor, unfinished: torch.Tensor, eos: torch.Tensor | None, pad) -> tuple:
+    """HF's per-step EOS rule over a chunk ``tokens: [k, B]`` (the raw argmaxes) at once:
+    a sequence finished before step ``j`` emits ``pad`` there, and finishes at its first EOS.
+    ``unfinished: [B]`` bool before the chunk. Returns (tokens to emit ``[k, B]``, the
+    per-step flag "every sequence finished after step j" ``[k]``, ``unfinished`` after)."""
+    if eos is None:
+        return tokens, torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device), unfinished
+    hit = torch.isin(tokens, eos.to(tokens.device)).long()  # [k, B]
+    seen = hit.cumsum(0)  # EOS emitted up to and including step j
+    alive = unfinished[None, :] & (seen - hit == 0)  # unfinished before step j
+    emitted = torch.where(alive, tokens, torch.as_tensor(pad, dtype=tokens.dtype, device=tokens.device))
+    after = unfinished[None, :] & (seen == 0)  # unfinished after step j
+    return emitted, ~after.any(dim=1), after[-1]
+
+
+def greedy_chunks(cache: PagedCache, input_ids: torch.Tensor, model_kwargs: dict, steps: int,
+                  eos: torch.Tensor | None, pad) -> torch.LongTensor:  # fmt: skip
+    """Greedy search without logits processors: ``steps`` new tokens, equal to HF's `_sample`.
+
+    The first token is the prefill's argmax; the other ``steps - 1`` come from
+    `PagedCache.decode_greedy` in chunks (`_chunk_sizes`). Each chunk is fed the previous
+    chunk's last raw argmax: a finished sequence keeps decoding its own argmaxes where HF feeds
+    it ``pad``; its emitted tokens are ``pad`` all the same, and no other sequence reads its
+    keys, so the output equals HF's. Returns ``[B, prompt + generated]``, cut after the first
+    step at which every sequence had finished."""
+    prompt_len = input_ids.shape[1]
+    prefill = cache.step(input_ids, model_kwargs.get("attention_mask"), 1, model_kwargs.get("position_ids"))
+    first = torch.argmax(prefill[:, -1].float(), dim=-1)  # [B]
+    unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    emitted, done, unfinished = _finish_chunk(first[None, :], unfinished, eos, pad)
+    out = [input_ids, emitted.T]
+    pending, offset = done, 0  # the flags not yet read, and the step of their first one
+    feed = first
+    for k in _chunk_sizes(steps - 1):
+        raw = cache.decode_greedy(feed, k)  # [k, B], a view of the runner's buffer
+        feed = raw[-1]
+        emitted, done, unfinished = _finish_chunk(raw, unfinished, eos, pad)  # queued before the next chunk
+        out.append(emitted.T)
+        if eos is not None and bool(pending.any()):  # host sync, with this chunk already queued
+            ids = torch.cat(out, dim=1)
+            return ids[:, : prompt_len + offset + int(pending.nonzero()[0, 0]) + 1]
+        offset += pending.numel()
+        pending = done
+    ids = torch.cat(out, dim=1)
+    if eos is not None and bool(pending.any()):
+        return ids[:, : prompt_len + offset + int(pending.nonzero()[0, 0]) + 1]
+    return ids

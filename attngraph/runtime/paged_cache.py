@@ -147,16 +147,7 @@ class PagedCache(Cache):
         Lengths are known on the host, so the batch is built without a device sync.
         Returns logits ``[B, 1, vocab]``.
         """
-        bsz = len(self.rows)
-        if tokens.shape != (bsz,):
-            raise ValueError(f"decode_step needs one token per sequence ({bsz}), got shape {tuple(tokens.shape)}")
-        check_token_ids(tokens, self.pool.device, "tokens")
-        limit = self.runner.max_step_tokens
-        if limit is not None and bsz > limit:
-            raise InputError(
-                f"a decode step of {bsz} sequences: {type(self.runner.model).__name__}'s traced forward holds at most "
-                f"{limit} tokens per step; generate fewer sequences per call"
-            )
+        self._check_decode_tokens(tokens, "decode_step")
         new_lens = [n + 1 for n in self.lengths]
         self.pool.reserve(self.rows, new_lens)
         batch = ForwardBatch.decode(self.pool, self.rows, self.lengths, tokens.long(), self.next_positions)
@@ -165,6 +156,37 @@ class PagedCache(Cache):
         self.next_positions = [p + 1 for p in self.next_positions]
         self.columns += 1
         return logits
+
+    def decode_greedy(self, tokens: torch.Tensor, steps: int) -> torch.Tensor:
+        """``steps`` greedy decode steps of every sequence: feed ``tokens: [B]`` (device), then
+        each step's argmax (`ModelRunner.decode_steps`: one CUDA graph for all steps where the
+        backend allows). Returns the argmaxes ``[steps, B]`` on the device, a view that the
+        next call may overwrite (consume it first: stream order keeps that safe). Every
+        sequence then holds ``steps`` more tokens, the last argmax not fed: the cache moves
+        ``steps`` columns, as ``steps`` calls of `decode_step` would."""
+        self._check_decode_tokens(tokens, "decode_greedy")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise InputError(f"decode_greedy needs an int steps >= 1, got {steps!r}")
+        if any(n < 1 for n in self.lengths):
+            raise InputError("decode_greedy decodes after a prompt: every sequence must hold a token first")
+        self.pool.reserve(self.rows, [n + steps for n in self.lengths])  # all or nothing
+        out = self.runner.decode_steps(self.rows, self.lengths, self.next_positions, tokens.long(), steps)
+        self.lengths = [n + steps for n in self.lengths]
+        self.next_positions = [p + steps for p in self.next_positions]
+        self.columns += steps
+        return out
+
+    def _check_decode_tokens(self, tokens: torch.Tensor, what: str) -> None:
+        bsz = len(self.rows)
+        if tokens.shape != (bsz,):
+            raise InputError(f"{what} needs one token per sequence ({bsz}), got shape {tuple(tokens.shape)}")
+        check_token_ids(tokens, self.pool.device, "tokens")
+        limit = self.runner.max_step_tokens
+        if limit is not None and bsz > limit:
+            raise InputError(
+                f"a decode step of {bsz} sequences: {type(self.runner.model).__name__}'s traced forward holds at most "
+                f"{limit} tokens per step; generate fewer sequences per call"
+            )
 
     def extend_each(self, seqs: list[int], tokens: torch.Tensor, counts: list[int], all_logits: bool = True) -> torch.Tensor:
         """Append ``counts[i]`` tokens to sequence ``seqs[i]`` of the batch in one ragged step

@@ -145,3 +145,31 @@ def test_triton_verify_graphs_under_flashinfer():
     agree = (hf == out[:, ids.shape[1] :]).float().mean().item()
     assert agree >= 0.95, f"generated tokens are HF eager's greedy choice at {agree:.1%} of positions"
     assert runner.verify_graphs.replays > 0 and runner.pool.num_used_pages == 0
+
+
+def test_greedy_generate_runs_chunks_as_multi_step_graphs_bit_identical():
+    """Plain greedy `generate` (no logits processor) decodes in chunks of multi-step graphs;
+    its tokens equal the same model's step-at-a-time decode graphs, with an EOS that stops
+    one sequence inside a chunk."""
+    model = model_of("llama")
+    attngraph.accelerate(model, **GRAPHS)
+    runner = state_of(model).runner
+    ids, mask = batch(model.config.vocab_size)
+    multi = runner.multi_step
+    kw = dict(attention_mask=mask, max_new_tokens=29, do_sample=False, pad_token_id=0)
+    runner.multi_step = None  # decode_greedy then runs one decode graph per step
+    try:
+        plain = model.generate(ids, eos_token_id=None, **kw)
+    finally:
+        runner.multi_step = multi
+    eos = int(plain[1, ids.shape[1] + 11])
+    runner.multi_step = None
+    try:
+        want = model.generate(ids, eos_token_id=eos, **kw)
+    finally:
+        runner.multi_step = multi
+    got = model.generate(ids, eos_token_id=eos, **kw)
+    assert multi.replays > 0 and {k for _, k in multi.graphs} <= {8, 4, 2, 1}
+    assert torch.equal(got, want)
+    assert torch.equal(model.generate(ids, eos_token_id=None, **kw), plain)
+    assert runner.pool.num_used_pages == 0
