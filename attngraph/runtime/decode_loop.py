@@ -206,9 +206,10 @@ def _finish_chunk(tokens: torch.Tensor, unfinished: torch.Tensor, eos: torch.Ten
     """HF's per-step EOS rule over a chunk ``tokens: [k, B]`` (the raw argmaxes) at once:
     a sequence finished before step ``j`` emits ``pad`` there, and finishes at its first EOS.
     ``unfinished: [B]`` bool before the chunk. Returns (tokens to emit ``[k, B]``, the
-    per-step flag "every sequence finished after step j" ``[k]``, ``unfinished`` after)."""
-    if eos is None:
-        return tokens, torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device), unfinished
+    per-step flag "every sequence finished after step j" ``[k]``, ``unfinished`` after); the
+    tokens emitted never share memory with ``tokens``."""
+    if eos is None:  # a copy: ``tokens`` may be the runner's buffer, which the next chunk overwrites
+        return tokens.clone(), torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device), unfinished
     hit = torch.isin(tokens, eos.to(tokens.device)).long()  # [k, B]
     seen = hit.cumsum(0)  # EOS emitted up to and including step j
     alive = unfinished[None, :] & (seen - hit == 0)  # unfinished before step j

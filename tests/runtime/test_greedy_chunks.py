@@ -56,11 +56,36 @@ def test_finish_chunk_is_hfs_rule_step_by_step(seed, pad_is_eos):
     assert torch.equal(after, want_after)
 
 
-def test_finish_chunk_without_eos_emits_the_argmaxes():
+def test_finish_chunk_without_eos_emits_a_copy_of_the_argmaxes():
     tokens = torch.randint(0, 50, (5, 3))
     unfinished = torch.ones(3, dtype=torch.bool)
     emitted, done, after = _finish_chunk(tokens, unfinished, None, 0)
     assert torch.equal(emitted, tokens) and not done.any() and torch.equal(after, unfinished)
+    assert emitted.data_ptr() != tokens.data_ptr()
+
+
+@pytest.mark.parametrize("eos", [None, "mid"])
+def test_chunks_returned_in_a_reused_buffer_are_consumed_before_the_next(llama_pair, monkeypatch, eos):
+    """A multi-step graph returns its argmaxes in one static buffer that each replay rewrites
+    (and pre-fills here with junk): the loop's output must not keep views of it."""
+    model, reference = llama_pair
+    ids, mask = left_padded_batch(model.config.vocab_size, (8, 5), seed=9)
+    eos = None if eos is None else _eos_from_reference(reference, ids, mask, 1, 6)
+    buffer = torch.empty(GREEDY_CHUNK, 2, dtype=torch.long)
+    original = PagedCache.decode_greedy
+
+    def into_buffer(self, tokens, k):
+        out = original(self, tokens, k)
+        buffer.fill_(-7)
+        buffer[:k].copy_(out)
+        return buffer[:k]
+
+    monkeypatch.setattr(PagedCache, "decode_greedy", into_buffer)
+    kw = dict(attention_mask=mask, max_new_tokens=2 * GREEDY_CHUNK + 5, do_sample=False, pad_token_id=PAD, eos_token_id=eos)
+    got = model.generate(ids, **kw)
+    with torch.no_grad():
+        want = reference.generate(ids, **kw)
+    assert torch.equal(got, want)
 
 
 @pytest.fixture(scope="module")

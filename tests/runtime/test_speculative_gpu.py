@@ -147,29 +147,38 @@ def test_triton_verify_graphs_under_flashinfer():
     assert runner.verify_graphs.replays > 0 and runner.pool.num_used_pages == 0
 
 
+def _first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
+    if a.shape != b.shape:
+        return f"shapes {tuple(a.shape)} and {tuple(b.shape)}"
+    where = (a != b).nonzero()
+    return "equal" if not len(where) else f"first difference at {tuple(where[0].tolist())} of {len(where)}"
+
+
 def test_greedy_generate_runs_chunks_as_multi_step_graphs_bit_identical():
     """Plain greedy `generate` (no logits processor) decodes in chunks of multi-step graphs;
-    its tokens equal the same model's step-at-a-time decode graphs, with an EOS that stops
-    one sequence inside a chunk."""
+    its tokens equal the same model's step-at-a-time decode graphs, with and without an EOS
+    that stops one sequence inside a chunk."""
     model = model_of("llama")
     attngraph.accelerate(model, **GRAPHS)
     runner = state_of(model).runner
     ids, mask = batch(model.config.vocab_size)
     multi = runner.multi_step
     kw = dict(attention_mask=mask, max_new_tokens=29, do_sample=False, pad_token_id=0)
-    runner.multi_step = None  # decode_greedy then runs one decode graph per step
-    try:
-        plain = model.generate(ids, eos_token_id=None, **kw)
-    finally:
-        runner.multi_step = multi
-    eos = int(plain[1, ids.shape[1] + 11])
-    runner.multi_step = None
-    try:
-        want = model.generate(ids, eos_token_id=eos, **kw)
-    finally:
-        runner.multi_step = multi
-    got = model.generate(ids, eos_token_id=eos, **kw)
+
+    def generate(eos, chunks: bool):
+        runner.multi_step = multi if chunks else None  # None: one decode graph per step
+        try:
+            return model.generate(ids, eos_token_id=eos, **kw)
+        finally:
+            runner.multi_step = multi
+
+    plain = generate(None, chunks=False)
+    assert torch.equal(generate(None, chunks=False), plain), "step-at-a-time decode is not repeatable"
+    got = generate(None, chunks=True)
     assert multi.replays > 0 and {k for _, k in multi.graphs} <= {8, 4, 2, 1}
-    assert torch.equal(got, want)
-    assert torch.equal(model.generate(ids, eos_token_id=None, **kw), plain)
+    assert torch.equal(got, plain), _first_difference(got, plain)
+    eos = int(plain[1, ids.shape[1] + 11])
+    want = generate(eos, chunks=False)
+    got = generate(eos, chunks=True)
+    assert torch.equal(got, want), _first_difference(got, want)
     assert runner.pool.num_used_pages == 0
