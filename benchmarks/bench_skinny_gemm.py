@@ -1,22 +1,28 @@
-"""Decode-step GEMMs (a few token rows times a weight matrix): cuBLAS against a Triton GEMV.
+"""Decode-step GEMMs (a few token rows times a weight matrix): cuBLAS against attngraph's Triton GEMV.
 
-The Triton kernel here (`skinny_gemm`) spreads the weight over ``cdiv(N, BLOCK_N) * SPLIT_K``
-programs, each a 16-row tensor-core tile of ``x`` against ``BLOCK_N`` weight rows; with split K
-the program that finishes a column block last sums the partials in split order in the same
-launch (an int32 counter per block, acquire-release, reset by that program). It is kept here as
-a measured alternative, not used by attngraph: on the H200 it lost to cuBLAS at every shape.
+The GEMV is `attngraph.skinny_linear`: ``cdiv(N, BLOCK_N) * SPLIT_K`` programs, each streaming
+``BLOCK_N`` weight rows once and using each weight tile for all (at most 8) rows of ``x``,
+fp32 accumulation without tensor cores; with split K the program that finishes a column block
+last sums the partials in split order in the same launch. `skinny_silu_mul_linear` also computes
+the MLP's ``silu(gate) * up`` while loading ``x``. (The tensor-core split-K Triton kernel this
+script timed before lost to cuBLAS at every shape and is gone: see BENCHMARKS.md.)
 
 For each projection of the Llama-3.2-1B and Llama-3.1-8B shapes (fused q/k/v, o, fused
-gate/up, down, the LM head) and each row count, times every `skinny_gemm` configuration in a
-sweep and ``torch.nn.functional.linear`` (cuBLAS) side by side, with the weight-read floor at
-the copy bandwidth measured in the same run. Each timing replays a CUDA graph of consecutive
-calls on distinct copies of the weight (more bytes than the L2 holds), as a decode graph reads
-each layer's weights once; the figure is the graph's time per call, launch gaps included.
+gate/up, down, the LM head) and each row count, times the GEMV at the configuration attngraph
+picks (`default_config`: `TUNED`, else the heuristic) and at every configuration of a pruned
+sweep, with ``torch.nn.functional.linear`` (cuBLAS, cuBLASLt) side by side and the weight-read
+floor at the copy bandwidth measured in the same run; for the down projection also the fused
+``silu(gate) * up`` variant against eager ``F.linear(F.silu(a) * b, w)``. Each timing replays a
+CUDA graph of consecutive calls on distinct copies of the weight (more bytes than the L2
+holds), as a decode graph reads each layer's weights once; the figure is the graph's time per
+call, launch gaps included.
 
     python benchmarks/bench_skinny_gemm.py --out results/skinny_gemm.json
+    python benchmarks/bench_skinny_gemm.py --quick   # ~12 configurations per shape, a few minutes
 
-Prints a Markdown table (best configuration per shape and row count) and writes one JSON
-object with every timing.
+Prints a Markdown table (the default and the best configuration per shape and row count),
+writes one JSON object with every timing, and ends with the best configurations as the
+``TUNED`` / ``TUNED_SILU_MUL`` dict literals of ``attngraph/skinny_linear.py``.
 """
 
 from __future__ import annotations
@@ -24,120 +30,25 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import sys
 
 import torch
-import triton
-import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_prefill import result_header  # noqa: E402
 
-#: Rows of ``x`` one launch takes (the tensor-core tile's height).
-MAX_ROWS = 16
-
-
-@triton.jit(do_not_specialize=["M", "split_k", "k_per_split"])
-def _skinny_gemm_kernel(
-    X, W, Y, Part, Counters,
-    M, N, K, split_k, k_per_split, stride_xm, stride_wn, stride_ym,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-):  # fmt: skip
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns = weight rows
-    mask_n = offs_n < N
-    offs_m = tl.arange(0, 16)  # [16] rows of x, the first M real
-    mask_m = offs_m < M
-    k_lo = pid_k * k_per_split
-    acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)  # y^T tile: W rows x x rows
-    for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        w = tl.load(W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
-                    mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        x = tl.load(X + offs_m[None, :] * stride_xm + offs_k[:, None],
-                    mask=mask_m[None, :] & mask_k[:, None], other=0.0)  # [BLOCK_K, 16] = x^T
-        acc = tl.dot(w, x.to(w.dtype), acc)
-    y_ptrs = Y + offs_m[None, :] * stride_ym + offs_n[:, None]
-    y_mask = mask_n[:, None] & mask_m[None, :]
-    if not SPLIT:
-        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=y_mask)
-    else:
-        # Partials [SPLIT_K, N, 16] fp32; the last program of this column block sums them.
-        part_ptrs = Part + (pid_k * N + offs_n[:, None]).to(tl.int64) * 16 + offs_m[None, :]
-        tl.store(part_ptrs, acc, mask=mask_n[:, None])
-        tl.debug_barrier()  # every thread's partials stored before the release below
-        arrived = tl.atomic_add(Counters + pid_n, 1, sem="acq_rel")
-        if arrived == split_k - 1:
-            total = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-            for s in range(0, split_k):
-                p = Part + (s * N + offs_n[:, None]).to(tl.int64) * 16 + offs_m[None, :]
-                total += tl.load(p, mask=mask_n[:, None], other=0.0, cache_modifier=".cg")
-            tl.store(y_ptrs, total.to(Y.dtype.element_ty), mask=y_mask)
-            tl.store(Counters + pid_n, 0)
-
-
-class SkinnyGemmWorkspace:
-    """The split-K partials ``[SPLIT_K, N, 16]`` fp32 and the zeroed counters, per device,
-    grown on demand and shared by every call (calls on one stream run one after another)."""
-
-    def __init__(self) -> None:
-        self._part: dict[torch.device, torch.Tensor] = {}
-        self._counters: dict[torch.device, torch.Tensor] = {}
-
-    def get(self, device: torch.device, part_numel: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        part = self._part.get(device)
-        if part is None or part.numel() < part_numel:
-            part = self._part[device] = torch.empty(part_numel, dtype=torch.float32, device=device)
-        counters = self._counters.get(device)
-        if counters is None or counters.numel() < blocks:
-            counters = self._counters[device] = torch.zeros(blocks, dtype=torch.int32, device=device)
-        return part, counters
-
-
-WORKSPACE = SkinnyGemmWorkspace()
-
-
-def skinny_gemm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    out: torch.Tensor | None = None,
-    *,
-    block_n: int,
-    block_k: int,
-    split_k: int,
-    num_warps: int = 4,
-    num_stages: int = 4,
-) -> torch.Tensor:
-    """``x: [M, K]`` (M <= 16), ``weight: [N, K]`` -> ``out: [M, N]`` in ``x``'s dtype.
-
-    ``split_k`` programs share each column block's K range (``K / split_k`` rounded up to
-    ``block_k``); their partials are summed in split order by the last one to finish.
-    """
-    m, k = x.shape
-    n = weight.shape[0]
-    if m > MAX_ROWS:
-        raise ValueError(f"skinny_gemm takes at most {MAX_ROWS} rows, got {m}")
-    if weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError(f"skinny_gemm: x {tuple(x.shape)} and weight {tuple(weight.shape)} must share a contiguous K")
-    if out is None:
-        out = x.new_empty((m, n))
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    split_k = triton.cdiv(k, k_per_split)
-    blocks = triton.cdiv(n, block_n)
-    part, counters = WORKSPACE.get(x.device, split_k * n * 16 if split_k > 1 else 1, blocks)
-    _skinny_gemm_kernel[(blocks, split_k)](
-        x, weight, out, part, counters,
-        m, n, k, split_k, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split_k > 1,
-        num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
-    return out
-
+from attngraph.skinny_linear import (  # noqa: E402
+    MAX_ROWS,
+    NUM_SMS,
+    default_config,
+    rows_padded,
+    skinny_linear,
+    skinny_silu_mul_linear,
+)
 
 #: (name, N, K): output features x input features.
 SHAPES = {
@@ -145,6 +56,73 @@ SHAPES = {
     "8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336), ("lm_head", 128256, 4096)],
 }
 L2_BYTES = 256 * 2**20  # weight copies per timing: at least this many bytes (H200's L2: 50 MB)
+CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K")
+#: Largest fp32 accumulator (``ROWS x BLOCK_N x BLOCK_K``) per thread a swept config may have.
+MAX_ACC_PER_THREAD = 128
+
+
+def sweep_configs(rows: int, n: int, k: int, *, block_n, block_k, warps, stages, split_k, limit: int,
+                  silu_mul: bool = False) -> list[dict]:  # fmt: skip
+    """The configurations to time for ``rows`` x ``[n, k]``: `default_config`'s first, then the
+    grid's pruned to
+
+    * a weight tile of at least one 16-byte vector (8 bf16) per thread and an fp32 accumulator
+      of at most `MAX_ACC_PER_THREAD` values per thread (``rows`` padded to a power of two);
+    * ``BLOCK_K`` no wider than ``k`` rounded up to a power of two (at least 128);
+    * at least one program per SM (``cdiv(n, BLOCK_N) * SPLIT_K >= NUM_SMS``);
+    * split K only where the column blocks are fewer than 4 per SM, each split two chunks or more;
+
+    nearest the default first (distance in log2 steps of each field), at most ``limit`` in all."""
+    base = default_config(rows, n, k, silu_mul=silu_mul)
+    padded = rows_padded(rows)
+    log2 = lambda v: math.log2(max(v, 1))  # noqa: E731
+
+    def distance(c: dict) -> float:
+        return (abs(log2(c["BLOCK_N"]) - log2(base["BLOCK_N"])) + abs(log2(c["BLOCK_K"]) - log2(base["BLOCK_K"]))
+                + abs(log2(c["num_warps"]) - log2(base["num_warps"])) + 0.5 * abs(c["num_stages"] - base["num_stages"])
+                + abs(log2(c["SPLIT_K"]) - log2(base["SPLIT_K"])))  # fmt: skip
+
+    out = []
+    for bn, bk, w, st, sk in itertools.product(block_n, block_k, warps, stages, split_k):
+        threads = 32 * w
+        blocks = -(-n // bn)
+        if bn * bk < 8 * threads or padded * bn * bk > MAX_ACC_PER_THREAD * threads:
+            continue
+        if bk > max(128, 1 << max(k - 1, 0).bit_length()) or blocks * sk < NUM_SMS:
+            continue
+        if sk > 1 and (blocks >= 4 * NUM_SMS or k < sk * 2 * bk):
+            continue
+        cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, SPLIT_K=sk)
+        if cfg != base:
+            out.append(cfg)
+    out.sort(key=lambda c: (distance(c), tuple(c[key] for key in CONFIG_KEYS)))
+    return [base] + out[: max(limit - 1, 0)]
+
+
+def config_str(c: dict | None) -> str:
+    """``BLOCK_N/BLOCK_K/warps/stages/split`` of a config (empty for None)."""
+    return "" if c is None else "{BLOCK_N}/{BLOCK_K}/w{num_warps}/s{num_stages}/k{SPLIT_K}".format(**c)
+
+
+def tuned_literal(name: str, best: dict[tuple[int, int, int], dict]) -> str:
+    """``name = {(rows_padded, N, K): {...config...}, ...}``: a literal to paste into
+    ``attngraph/skinny_linear.py`` (keys sorted, one entry per line)."""
+    lines = [f"{name}: dict[tuple[int, int, int], dict[str, int]] = {{"]
+    for key in sorted(best):
+        cfg = ", ".join(f"{k!r}: {int(best[key][k])}" for k in CONFIG_KEYS)
+        lines.append(f"    {key!r}: {{{cfg}}},")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def record_best(table: dict, m: int, n: int, k: int, best: dict | None) -> None:
+    """Put ``best`` (a timing with its config) into ``table`` under ``(rows_padded(m), n, k)``;
+    a row count that is its own padding wins over a padded one (3 rows share 4's entry)."""
+    if best is None:
+        return
+    key = (rows_padded(m), n, k)
+    if key not in table or m == key[0]:
+        table[key] = {c: best[c] for c in CONFIG_KEYS}
 
 
 def copy_bandwidth() -> float:
@@ -200,14 +178,50 @@ def attngraph_exact(fn, *args):
     return compile_exact(gm, static_fakes(gm, args), EXACT_INDUCTOR_OPTIONS)
 
 
+def time_gemv(run, ws, out: torch.Tensor, ref: torch.Tensor, configs: list[dict]) -> tuple[dict, list[dict]]:
+    """Time ``run(w, cfg)`` (writing ``out``) over the weight copies ``ws`` for the default
+    (``cfg=None``) and each of ``configs``. A config is timed only if its output, written over
+    NaN, is within 1% of ``ref``'s largest magnitude; otherwise (or when it fails to compile)
+    its entry carries ``error``. Returns ``(default timing, sweep timings)``."""
+    tol = 0.01 * ref.abs().max().item()
+
+    def one(cfg: dict | None) -> dict:
+        entry = dict(cfg) if cfg is not None else {}
+        try:
+            out.fill_(float("nan"))
+            run(ws[0], cfg)
+            err = (out.float() - ref).abs().max().item()
+            if not err < tol:
+                return {**entry, "error": err}
+            return {**entry, "us": round(time_calls([lambda w=w: run(w, cfg) for w in ws]), 2)}
+        except Exception as exc:  # a config out of registers / shared memory: recorded, skipped
+            torch.cuda.synchronize()
+            return {**entry, "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+
+    return one(None), [one(c) for c in configs]
+
+
+def fastest(timings: list[dict]) -> dict | None:
+    """The timing with the fewest microseconds (None if none ran)."""
+    return min((t for t in timings if "us" in t), key=lambda t: t["us"], default=None)
+
+
+def us_of(timing: dict | None) -> float:
+    """A timing's microseconds; NaN for None or a config that failed."""
+    return (timing or {}).get("us", float("nan"))
+
+
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="1b,8b")
-    p.add_argument("--rows", default="1,4,16")
-    p.add_argument("--block-n", default="16,32,64")
-    p.add_argument("--block-k", default="128,256")
+    p.add_argument("--rows", default="1,2,4,8", help=f"row counts, each at most {MAX_ROWS}")
+    p.add_argument("--block-n", default="2,4,8,16,32")
+    p.add_argument("--block-k", default="128,256,512,1024")
+    p.add_argument("--warps", default="2,4,8")
+    p.add_argument("--stages", default="1,2,3")
     p.add_argument("--split-k", default="1,2,4,8")
-    p.add_argument("--stages", default="3,4")
+    p.add_argument("--max-configs", type=int, default=60, help="configurations timed per shape and row count")
+    p.add_argument("--quick", action="store_true", help="at most 12 configurations per shape and row count")
     p.add_argument("--no-triton", action="store_true", help="only the BLAS libraries (cuBLAS, cuBLASLt)")
     p.add_argument("--inductor", action="store_true",
                    help="also inductor at static shapes (coordinate-descent tuning) and attngraph's exact-count compile")
@@ -218,11 +232,18 @@ def main() -> None:
             if hasattr(torch._dynamo.config, name):
                 setattr(torch._dynamo.config, name, 256)
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
+    limit = min(args.max_configs, 12) if args.quick else args.max_configs
+    grid = dict(block_n=ints(args.block_n), block_k=ints(args.block_k), warps=ints(args.warps), stages=ints(args.stages),
+                split_k=ints(args.split_k), limit=limit)  # fmt: skip
+    F = torch.nn.functional
     bw = copy_bandwidth()
     torch.manual_seed(0)
     rows_out = []
-    print("| shape | proj | N x K | rows | floor us | cuBLAS us | cuBLASLt us | skinny us | inductor us | exact us | x floor | config |")
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    tuned: dict[tuple[int, int, int], dict] = {}
+    tuned_silu: dict[tuple[int, int, int], dict] = {}
+    print("| shape | proj | N x K | rows | floor us | cuBLAS us | cuBLASLt us | gemv default us | gemv best us | inductor us "
+          "| exact us | best x floor | default config | best config |")  # fmt: skip
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
     for shape in args.shapes.split(","):
         for name, n, k in SHAPES[shape]:
             copies = max(2, -(-L2_BYTES // (n * k * 2)))
@@ -231,55 +252,75 @@ def main() -> None:
             for m in ints(args.rows):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-                ref = torch.nn.functional.linear(x.float(), ws[0].float())
+                ref = F.linear(x.float(), ws[0].float())
                 blas = {}
                 for lib in ("cublas", "cublaslt"):
                     torch.backends.cuda.preferred_blas_library(lib)
-                    blas[lib] = time_calls([lambda w=w: torch.nn.functional.linear(x, w) for w in ws])
+                    blas[lib] = time_calls([lambda w=w: F.linear(x, w) for w in ws])
                 torch.backends.cuda.preferred_blas_library("cublas")
                 cublas = blas["cublas"]
                 ind_us, exact_us, gated = float("nan"), float("nan"), None
                 if args.inductor:
                     tol = 0.05 * ref.abs().max().item()
-                    lin = inductor_static(lambda x, w: torch.nn.functional.linear(x, w))
+                    lin = inductor_static(lambda x, w: F.linear(x, w))
                     err = (lin(x, ws[0]).float() - ref).abs().max().item()
                     ind_us = time_calls([lambda w=w: lin(x, w) for w in ws]) if err < tol else float("nan")
-                    ex = attngraph_exact(lambda x, w: torch.nn.functional.linear(x, w), x, ws[0])
+                    ex = attngraph_exact(lambda x, w: F.linear(x, w), x, ws[0])
                     got = ex(x, ws[0])
                     err = ((got[0] if isinstance(got, (tuple, list)) else got).float() - ref).abs().max().item()
                     exact_us = time_calls([lambda w=w: ex(x, w) for w in ws]) if err < tol else float("nan")
-                    if name == "down":  # the MLP's SiLU(gate) * up as the GEMM's producer
-                        g, u = torch.randn(m, k, device="cuda", dtype=torch.bfloat16), torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                        mlp = lambda g, u, w: torch.nn.functional.linear(torch.nn.functional.silu(g) * u, w)  # noqa: E731
+                if name == "down":  # the MLP's SiLU(gate) * up as the GEMM's producer
+                    gu = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
+                    g, u = gu[:, :k], gu[:, k:]  # the halves of a fused gate/up output
+                    mlp = lambda g, u, w: F.linear(F.silu(g) * u, w)  # noqa: E731
+                    gated = dict(eager_us=round(time_calls([lambda w=w: mlp(g, u, w) for w in ws]), 2))
+                    if args.inductor:  # compiled for (and called with) contiguous gate and up
+                        gc, uc = g.contiguous(), u.contiguous()
                         mlp_ind = inductor_static(mlp)
-                        mlp_ex = attngraph_exact(mlp, g, u, ws[0])
-                        gated = dict(eager_us=round(time_calls([lambda w=w: mlp(g, u, w) for w in ws]), 2),
-                                     inductor_us=round(time_calls([lambda w=w: mlp_ind(g, u, w) for w in ws]), 2),
-                                     exact_us=round(time_calls([lambda w=w: mlp_ex(g, u, w) for w in ws]), 2))  # fmt: skip
-                        print(f"| {shape} | silu(gate)*up -> down | {n} x {k} | {m} | {floor_us:.2f} | eager {gated['eager_us']:.2f} | | | {gated['inductor_us']:.2f} | {gated['exact_us']:.2f} | | |")
-                timings = []
-                sweep = [] if args.no_triton else itertools.product(ints(args.block_n), ints(args.block_k), ints(args.split_k), ints(args.stages))
-                for bn, bk, sk, st in sweep:
-                    cfg = dict(block_n=bn, block_k=bk, split_k=sk, num_stages=st)
-                    out.fill_(float("nan"))
-                    skinny_gemm(x, ws[0], out, **cfg)
-                    err = (out.float() - ref).abs().max().item()
-                    if not err < 0.05 * ref.abs().max().item():
-                        timings.append({**cfg, "error": err})
-                        continue
-                    us = time_calls([lambda w=w: skinny_gemm(x, w, out, **cfg) for w in ws])
-                    timings.append({**cfg, "us": round(us, 2)})
-                best = min((t for t in timings if "us" in t), key=lambda t: t["us"], default=None)
-                cfg_s = "" if best is None else f"{best['block_n']}/{best['block_k']}/{best['split_k']}/{best['num_stages']}"
-                best_us = min(cublas, blas["cublaslt"], best["us"] if best else float("inf"), ind_us if ind_us == ind_us else float("inf"))
+                        mlp_ex = attngraph_exact(mlp, gc, uc, ws[0])
+                        gated["inductor_us"] = round(time_calls([lambda w=w: mlp_ind(gc, uc, w) for w in ws]), 2)
+                        gated["exact_us"] = round(time_calls([lambda w=w: mlp_ex(gc, uc, w) for w in ws]), 2)
+                    if not args.no_triton and m <= MAX_ROWS:
+                        h = (F.silu(g.float()) * u.float()).to(torch.bfloat16)  # rounded once, as the kernel
+                        default, timings = time_gemv(
+                            lambda w, cfg: skinny_silu_mul_linear(g, u, w, out=out, config=cfg), ws, out,
+                            F.linear(h.float(), ws[0].float()), sweep_configs(m, n, k, silu_mul=True, **grid),
+                        )  # fmt: skip
+                        best = fastest(timings)
+                        record_best(tuned_silu, m, n, k, best)
+                        gated.update(gemv_default=default, gemv_default_config=default_config(m, n, k, silu_mul=True),
+                                     gemv_best=best, gemv_timings=timings)  # fmt: skip
+                    nan = float("nan")
+                    d_us, b_us = us_of(gated.get("gemv_default")), us_of(gated.get("gemv_best"))
+                    best_us = min(v for v in (gated["eager_us"], d_us, b_us, gated.get("inductor_us", nan)) if v == v)
+                    print(f"| {shape} | silu(gate)*up -> down | {n} x {k} | {m} | {floor_us:.2f} | eager {gated['eager_us']:.2f} | "
+                          f"| {d_us:.2f} | {b_us:.2f} | {gated.get('inductor_us', nan):.2f} | {gated.get('exact_us', nan):.2f} "
+                          f"| {best_us / floor_us:.2f} | {config_str(gated.get('gemv_default_config'))} "
+                          f"| {config_str(gated.get('gemv_best'))} |")  # fmt: skip
+                default, timings, best = None, [], None
+                if not args.no_triton and m <= MAX_ROWS:
+                    default, timings = time_gemv(lambda w, cfg: skinny_linear(x, w, out=out, config=cfg), ws, out, ref,
+                                                 sweep_configs(m, n, k, **grid))  # fmt: skip
+                    best = fastest(timings)
+                    record_best(tuned, m, n, k, best)
+                d_us, b_us = us_of(default), us_of(best)
+                best_us = min(v for v in (cublas, blas["cublaslt"], d_us, b_us, ind_us) if v == v)
+                default_cfg = default_config(m, n, k) if m <= MAX_ROWS else None
                 print(f"| {shape} | {name} | {n} x {k} | {m} | {floor_us:.2f} | {cublas:.2f} | {blas['cublaslt']:.2f} | "
-                      f"{best['us'] if best else float('nan'):.2f} | {ind_us:.2f} | {exact_us:.2f} | {best_us / floor_us:.2f} | {cfg_s} |")  # fmt: skip
+                      f"{d_us:.2f} | {b_us:.2f} | {ind_us:.2f} | {exact_us:.2f} | {best_us / floor_us:.2f} | "
+                      f"{config_str(default_cfg)} | {config_str(best)} |")  # fmt: skip
                 rows_out.append(dict(shape=shape, proj=name, n=n, k=k, rows=m, floor_us=round(floor_us, 2),
-                                     cublas_us=round(cublas, 2), cublaslt_us=round(blas["cublaslt"], 2), best=best, timings=timings,
+                                     cublas_us=round(cublas, 2), cublaslt_us=round(blas["cublaslt"], 2),
+                                     gemv_default=default, gemv_default_config=default_cfg, best=best, timings=timings,
                                      inductor_static_us=round(ind_us, 2), exact_us=round(exact_us, 2), gated_down=gated))  # fmt: skip
             del ws
             torch.cuda.empty_cache()
-    row = result_header("bench_skinny_gemm.py", copy_gbps=round(bw / 1e9), results=rows_out)
+    print("\n# Best measured configurations, for attngraph/skinny_linear.py:")
+    print(tuned_literal("TUNED", tuned))
+    print(tuned_literal("TUNED_SILU_MUL", tuned_silu))
+    row = result_header("bench_skinny_gemm.py", copy_gbps=round(bw / 1e9), results=rows_out,
+                        tuned={repr(key): cfg for key, cfg in sorted(tuned.items())},
+                        tuned_silu_mul={repr(key): cfg for key, cfg in sorted(tuned_silu.items())})  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
             json.dump(row, f)

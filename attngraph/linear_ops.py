@@ -1,0 +1,160 @@
+"""`torch.ops.attngraph.linear` and `torch.ops.attngraph.silu_mul_linear`: projections of a few
+token rows through the Triton GEMV of `attngraph.skinny_linear`, torch for everything else.
+
+Both are `torch.library.custom_op`s with fake implementations (opaque to Dynamo and inductor;
+symbolic sizes under dynamic shapes) returning a fresh tensor. The kernel runs when the rows
+(the product of the leading dimensions) are at most `KERNEL_MAX_ROWS` and the weight holds at
+most `KERNEL_MAX_WEIGHT` elements (where it was measured faster), the dtype is bf16
+or fp16, the weight is contiguous, the input is contiguous in its last dimension and the
+tensors are on a CUDA device; on the CPU only under Triton's interpreter (``TRITON_INTERPRET=1``
+before import) and with `CPU_INTERPRETER` set (tests). Otherwise ``torch.nn.functional.linear``.
+
+CUDA-graph capture: the only allocation is the output (and split-K partials, ``torch.empty``);
+nothing is read back to the host. Triton is imported on first use, so this module imports on a
+machine without CUDA or Triton (the ops then always take the torch path).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .errors import InputError
+
+#: Run the kernels on CPU tensors through Triton's interpreter (needs ``TRITON_INTERPRET=1``
+#: set before import and an interpreter that works with this numpy). Off: CPU tensors take
+#: the torch path. Also set by ``ATTNGRAPH_LINEAR_INTERPRET=1``.
+CPU_INTERPRETER = os.environ.get("ATTNGRAPH_LINEAR_INTERPRET", "0") == "1"
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+#: Where the GEMV beats cuBLAS (H200, bf16, `benchmarks/bench_skinny_gemm.py`): at 1-2 rows
+#: and weights of at most 2**24 elements (Llama-3.2-1B's q/k/v, o and down projections: 4.7-12
+#: against 6.1-12.9 us, and no split-K launches around the down projection). At 8 rows it took
+#: 1.5-3x cuBLAS's time; the LM heads, the 1B gate/up and every 8B projection but o were slower
+#: already at 2 rows. Elsewhere the ops run torch.
+KERNEL_MAX_ROWS = 2
+KERNEL_MAX_WEIGHT = 1 << 24
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    """The `skinny_linear` module, or None where Triton cannot be imported."""
+    try:
+        from . import skinny_linear
+    except ImportError:
+        return None
+    return skinny_linear
+
+
+def _kernel_serves(device: torch.device) -> bool:
+    """Whether the kernels run on ``device`` (compiled on CUDA; interpreted on the CPU)."""
+    if device.type == "cuda":
+        mod = _kernels()
+        return mod is not None and not mod.interpreting()
+    if device.type == "cpu" and CPU_INTERPRETER:
+        mod = _kernels()
+        return mod is not None and mod.interpreting() and _interpreter_problem() is None
+    return False
+
+
+@functools.lru_cache(maxsize=1)
+def _interpreter_problem() -> str | None:
+    return _kernels().interpreter_problem()
+
+
+def _use_kernel(rows: int, k: int, lead: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Kernel or torch for the ``[rows, K]`` input ``lead`` (x, or a) and ``weight``."""
+    if rows == 0 or k == 0 or lead.dtype not in _KERNEL_DTYPES or not weight.is_contiguous():
+        return False
+    if k > 1 and lead.stride(-1) != 1:
+        return False
+    return _kernel_serves(lead.device) and rows <= KERNEL_MAX_ROWS and weight.numel() <= KERNEL_MAX_WEIGHT
+
+
+def _check_linear(what: str, x: torch.Tensor, weight: torch.Tensor, inner: int) -> int:
+    """Refuse what no path serves; returns N."""
+    if x.dim() < 1:
+        raise InputError(f"{what}: the input must have at least one dimension (features last); got a scalar")
+    if weight.dim() != 2 or weight.shape[1] != inner:
+        raise InputError(f"{what}: weight must be [N, {inner}] (nn.Linear's [out_features, in_features]); got {tuple(weight.shape)}")
+    if weight.dtype != x.dtype or weight.device != x.device:
+        raise InputError(f"{what}: weight is {weight.dtype} on {weight.device}, the input {x.dtype} on {x.device}; they must match")
+    return weight.shape[0]
+
+
+def _check_bias(bias: torch.Tensor | None, n: int, x: torch.Tensor) -> None:
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n or bias.dtype != x.dtype or bias.device != x.device):
+        raise InputError(f"linear: bias must be a {x.dtype} [{n}] tensor on {x.device}; got {bias.dtype} {tuple(bias.shape)} "
+                         f"on {bias.device}")  # fmt: skip
+
+
+def _check_halves(a: torch.Tensor, b: torch.Tensor) -> None:
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        raise InputError(f"silu_mul_linear: a and b must have one shape, dtype and device; got {a.dtype} {tuple(a.shape)} "
+                         f"on {a.device} and {b.dtype} {tuple(b.shape)} on {b.device}")  # fmt: skip
+    if a.dim() < 1:
+        raise InputError("silu_mul_linear: a and b must have at least one dimension (features last); got scalars")
+
+
+def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``silu(a) * b`` computed in fp32 and rounded once to ``a``'s dtype (the kernel's and an
+    inductor-fused producer's rounding; eager rounds twice): one Triton launch where the
+    kernels serve (the product inductor fused into one kernel before the fold), else torch."""
+    k = a.shape[-1] if a.dim() else 0
+    if k and a.numel() and a.dtype in _KERNEL_DTYPES and _kernel_serves(a.device) and a.stride(-1) == 1 and b.stride(-1) == 1:
+        rows = a.numel() // k
+        return _kernels().silu_mul(a.reshape(rows, k), b.reshape(rows, k)).view(a.shape)
+    return (F.silu(a.float()) * b.float()).to(a.dtype)
+
+
+def linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``: ``x: [..., K]``, ``weight: [N, K]``, ``bias: [N]`` or None
+    -> ``[..., N]`` (a new tensor), by the skinny Triton kernel where it serves (see the module)."""
+    k = x.shape[-1] if x.dim() else 0
+    n = _check_linear("linear", x, weight, k)
+    _check_bias(bias, n, x)
+    rows = x.numel() // k if k else 0
+    if not _use_kernel(rows, k, x, weight) or (bias is not None and bias.stride(0) != 1 and n > 1):
+        return F.linear(x, weight, bias)
+    # [rows, K]: a view of a row-strided x (unit stride along K kept), a copy when none exists
+    y = _kernels().skinny_linear(x.reshape(rows, k), weight, bias)
+    return y.view(*x.shape[:-1], n)
+
+
+def silu_mul_linear_impl(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(silu(a) * b, weight)``: ``a, b: [..., I]`` (e.g. the halves of a fused gate/up
+    output), ``weight: [N, I]`` -> ``[..., N]`` (a new tensor). ``silu(a) * b`` is rounded once
+    to the inputs' dtype (`silu_mul`), on both paths."""
+    _check_halves(a, b)
+    k = a.shape[-1]
+    n = _check_linear("silu_mul_linear", a, weight, k)
+    rows = a.numel() // k if k else 0
+    if not (_use_kernel(rows, k, a, weight) and (k == 1 or b.stride(-1) == 1)):
+        return F.linear(silu_mul(a, b), weight)
+    y = _kernels().skinny_silu_mul_linear(a.reshape(rows, k), b.reshape(rows, k), weight)
+    return y.view(*a.shape[:-1], n)
+
+
+linear = torch.library.custom_op("attngraph::linear", mutates_args=())(linear_impl)
+linear.__doc__ = linear_impl.__doc__
+silu_mul_linear = torch.library.custom_op("attngraph::silu_mul_linear", mutates_args=())(silu_mul_linear_impl)
+silu_mul_linear.__doc__ = silu_mul_linear_impl.__doc__
+
+
+@linear.register_fake
+def _(x, weight, bias=None):
+    n = _check_linear("linear", x, weight, x.shape[-1] if x.dim() else 0)
+    _check_bias(bias, n, x)
+    return x.new_empty((*x.shape[:-1], n))
+
+
+@silu_mul_linear.register_fake
+def _(a, b, weight):
+    _check_halves(a, b)
+    n = _check_linear("silu_mul_linear", a, weight, a.shape[-1])
+    return a.new_empty((*a.shape[:-1], n))

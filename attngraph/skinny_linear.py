@@ -1,0 +1,412 @@
+"""A few token rows times a weight matrix (Triton): the bandwidth-bound GEMV of decode steps.
+
+A decode step of a small batch multiplies 1-8 rows by each projection. At that size the work is
+reading the weight once; cuBLAS reaches 50-80% of the copy bandwidth there and, for a long K
+(the MLP's down projection), picks split-K with extra launches. This kernel streams the weight
+in one launch and uses each weight tile for every row:
+
+* grid ``(cdiv(N, BLOCK_N), SPLIT_K)``; a program owns ``BLOCK_N`` weight rows (output columns)
+  and one K range, loops over it in ``BLOCK_K`` chunks, loads the ``[BLOCK_N, BLOCK_K]`` weight
+  tile once (coalesced along K, 16-byte vectors) and the ``[ROWS, BLOCK_K]`` chunk of ``x``;
+* products go into a ``[ROWS, BLOCK_N, BLOCK_K]`` fp32 accumulator, elementwise, so the loop has
+  no cross-thread traffic; one reduction over K at the end gives the ``[ROWS, BLOCK_N]`` outputs
+  (no tensor cores: ROWS is at most 8);
+* ``SPLIT_K > 1``: each program stores its fp32 partials, counts itself on its column block's
+  int32 counter (an ``acq_rel`` atomic), and the last to count sums the block's partials in
+  split order (deterministic), writes the output and puts the counter back to zero: one launch.
+
+``ROWS`` is ``M`` padded to a power of two (a constexpr: 1, 2, 4 and 8 compile separately).
+`skinny_silu_mul_linear` fuses the MLP's ``silu(gate) * up`` into the loads of ``x``.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import triton
+import triton.language as tl
+
+from .attn_backends.triton_ops.decode_attention import interpreter_problem, interpreting
+from .errors import InputError
+
+__all__ = [
+    "MAX_ROWS",
+    "NUM_SMS",
+    "TUNED",
+    "TUNED_SILU_MUL",
+    "default_config",
+    "interpreter_problem",
+    "interpreting",
+    "rows_padded",
+    "skinny_linear",
+    "skinny_silu_mul_linear",
+]
+
+#: Most rows of ``x`` one launch takes (the kernel's ``ROWS``: M padded to a power of two).
+MAX_ROWS = 8
+#: SMs the heuristic plans for (an H200); the configuration does not depend on the device.
+NUM_SMS = 132
+#: Measured winners, ``(rows_padded, N, K) -> config`` (keys of `default_config`'s result),
+#: consulted before the heuristic. ``benchmarks/bench_skinny_gemm.py`` prints this literal.
+TUNED: dict[tuple[int, int, int], dict[str, int]] = {
+    # H200, bf16, `bench_skinny_gemm.py --quick --rows 1,2,8 --shapes 1b,8b`: the Llama-3.2-1B
+    # projections the ops give the kernel (weights of at most 2**24 elements, 1-2 rows)
+    (1, 2048, 2048): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=2, SPLIT_K=1),
+    (1, 2048, 8192): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=2, SPLIT_K=1),
+    (1, 3072, 2048): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=2, SPLIT_K=1),
+    (1, 4096, 4096): dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=2, SPLIT_K=1),
+    (2, 2048, 2048): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=2, SPLIT_K=1),
+    (2, 2048, 8192): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=2, SPLIT_K=1),
+    (2, 3072, 2048): dict(BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=2, SPLIT_K=1),
+    (2, 4096, 4096): dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3, SPLIT_K=1),
+}
+#: The same for `skinny_silu_mul_linear` (``K`` is the intermediate size).
+TUNED_SILU_MUL: dict[tuple[int, int, int], dict[str, int]] = {
+    (1, 2048, 8192): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=2, SPLIT_K=1),
+    (2, 2048, 8192): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=2, SPLIT_K=1),
+}
+
+_CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K")
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ----------------------------------------------------------------------------- kernel
+@triton.jit
+def _round(v, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """fp32 ``v`` rounded to ``DTYPE``, to nearest even. ``SOFT_BF16``: by integer arithmetic
+    on the bits (Triton's interpreter truncates fp32 to bf16; the GPU rounds to nearest)."""
+    if SOFT_BF16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        res = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        res = v.to(DTYPE)
+    return res
+
+
+@triton.jit
+def _skinny_linear_kernel(
+    X, X2, W, Bias, Y, Part, Counters,
+    M, N, K, k_per_split,
+    stride_xm, stride_x2m, stride_wn, stride_ym,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, SOFT_BF16: tl.constexpr,
+):  # fmt: skip
+    """``Y[:M] = h @ W^T (+ Bias)`` with ``h = X`` or, with ``SILU_MUL``, ``h = silu(X) * X2``
+    (fp32, rounded to X's dtype). X, X2: ``[M, K]`` rows ``stride_xm`` / ``stride_x2m`` apart;
+    W: ``[N, K]`` rows ``stride_wn`` apart; Y: ``[M, N]`` rows ``stride_ym`` apart.
+    Part: ``[SPLIT_K, ROWS, N]`` fp32 partials; Counters: ``[>= cdiv(N, BLOCK_N)]`` int32 zeros
+    (read only when ``SPLIT_K > 1``). A program's K range is ``k_per_split`` long, a multiple
+    of ``BLOCK_K``, so no chunk straddles two splits. ``SOFT_BF16``: round to bf16 by integer
+    arithmetic (under Triton's interpreter, whose own conversion truncates)."""
+    pid_n = tl.program_id(0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns = weight rows
+    mask_n = offs_n < N
+    rows = tl.arange(0, ROWS)  # [ROWS], the first M real
+    mask_m = rows < M
+    # int64 row offsets: the LM heads here (128256 x 4096: 5.3e8 elements) stay below 2^31, a
+    # larger vocabulary or hidden size (256K x 8192) does not
+    w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    x_rows = X + rows.to(tl.int64)[:, None] * stride_xm  # [ROWS, 1]
+    x2_rows = X2 + rows.to(tl.int64)[:, None] * stride_x2m  # [ROWS, 1] (read with SILU_MUL only)
+    if SPLIT_K == 1:
+        k_lo = 0
+        k_hi = K
+    else:
+        k_lo = tl.program_id(1) * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+        mask_k = offs_k < K
+        # read once per launch: do not let the weight push x (and the next kernels' data) out of L2
+        w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                    eviction_policy="evict_first")  # fmt: skip
+        mask_x = mask_m[:, None] & mask_k[None, :]
+        x = tl.load(x_rows + offs_k[None, :], mask=mask_x, other=0.0)  # [ROWS, BLOCK_K]
+        if SILU_MUL:
+            g = x.to(tl.float32)
+            u = tl.load(x2_rows + offs_k[None, :], mask=mask_x, other=0.0).to(tl.float32)
+            # rounded once to the inputs' dtype, as an inductor-fused silu(g) * u feeding a GEMM
+            h = _round(g / (1.0 + tl.exp(-g)) * u, X.dtype.element_ty, SOFT_BF16).to(tl.float32)
+        else:
+            h = x.to(tl.float32)
+        acc += h[:, None, :] * w.to(tl.float32)[None, :, :]  # [ROWS, BLOCK_N, BLOCK_K]
+    res = tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
+    y_ptrs = Y + rows[:, None] * stride_ym + offs_n[None, :]
+    y_mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            res += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptrs, _round(res, Y.dtype.element_ty, SOFT_BF16), mask=y_mask)
+    else:
+        # This split's partials, then the column block's last program to count sums them.
+        part_cols = Part + rows[:, None] * N + offs_n[None, :]  # split 0's [ROWS, BLOCK_N]
+        tl.store(part_cols + tl.program_id(1) * ROWS * N, res, mask=y_mask)
+        # The barrier orders every thread's partial stores before the atomic, whose release (gpu
+        # scope) publishes them; its acquire makes the other programs' partials visible to the
+        # summing program, whose threads all read after the second barrier.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(Counters + pid_n, 1, sem="acq_rel")
+        tl.debug_barrier()
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):  # split order: the same sum whichever came last
+                total += tl.load(part_cols + s * ROWS * N, mask=y_mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptrs, _round(total, Y.dtype.element_ty, SOFT_BF16), mask=y_mask)
+            tl.store(Counters + pid_n, 0)  # every split has counted: ready for the next launch
+
+
+# ----------------------------------------------------------------------------- configuration
+def rows_padded(m: int) -> int:
+    """The kernel's ``ROWS`` for ``m`` rows: ``m`` rounded up to a power of two (1, 2, 4, 8)."""
+    return triton.next_power_of_2(max(int(m), 1))
+
+
+def _pow2_floor(v: int) -> int:
+    return 1 << (max(int(v), 1).bit_length() - 1)
+
+
+def default_config(m: int, n: int, k: int, *, silu_mul: bool = False) -> dict[str, int]:
+    """Launch configuration for ``m`` rows of ``[n, k]`` weights (16-bit, H200-sized).
+
+    A `TUNED` (or `TUNED_SILU_MUL`) entry for ``(rows_padded(m), n, k)`` wins. Otherwise:
+
+    * ``BLOCK_K``: 512 up to 4 rows, 256 for 8 (a thread's 16-byte vectors of bf16 along K),
+      no wider than ``k`` rounded up to a power of two (at least 64);
+    * ``BLOCK_N``: the widest of 2-16 that keeps the fp32 accumulator
+      (``ROWS x BLOCK_N x BLOCK_K``) at 64 values per thread over 4 warps, halved while the
+      column blocks are fewer than 3 per SM (1B's 2048-column projections: 512 programs);
+    * ``num_warps``: 4, fewer when the weight tile gives a thread less than 8 elements;
+    * ``num_stages``: 2 (the loop's loads of the next chunk in flight; unmeasured);
+    * ``SPLIT_K``: 1 (a ``config`` or `TUNED` entry may ask for more).
+
+    ``benchmarks/bench_skinny_gemm.py`` times these against a sweep and prints the winners
+    for `TUNED`.
+    """
+    rows = rows_padded(m)
+    tuned = (TUNED_SILU_MUL if silu_mul else TUNED).get((rows, int(n), int(k)))
+    if tuned is not None:
+        return dict(tuned)
+    block_k = 512 if rows <= 4 else 256
+    block_k = min(block_k, max(64, triton.next_power_of_2(max(int(k), 1))))
+    num_warps = 4
+    # accumulator values per thread: rows * BLOCK_N * BLOCK_K / (32 * num_warps) <= 64
+    block_n = max(2, min(16, _pow2_floor(64 * 32 * num_warps // (rows * block_k))))
+    while block_n > 2 and triton.cdiv(n, block_n) < 3 * NUM_SMS:
+        block_n //= 2
+    # at least one 16-byte vector (8 bf16 elements) of the weight tile per thread
+    num_warps = max(1, min(num_warps, _pow2_floor(block_n * block_k // (8 * 32))))
+    # SPLIT_K stays 1: a split launch's counters cannot be made inside a CUDA-graph capture,
+    # so a graph captured before the first eager split launch would sum in another order
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=2, SPLIT_K=1)
+
+
+def _check_config(config: dict) -> dict[str, int]:
+    missing = [key for key in _CONFIG_KEYS if key not in config]
+    unknown = [key for key in config if key not in _CONFIG_KEYS]
+    if missing or unknown:
+        raise InputError(f"config needs exactly the keys {_CONFIG_KEYS}; missing {missing}, unknown {unknown}")
+    cfg = {key: int(config[key]) for key in _CONFIG_KEYS}
+    for key in ("BLOCK_N", "BLOCK_K", "num_warps", "SPLIT_K"):
+        if cfg[key] < 1 or cfg[key] & (cfg[key] - 1):
+            raise InputError(f"config[{key!r}] must be a power of two >= 1, got {cfg[key]}")
+    if cfg["num_stages"] < 1:
+        raise InputError(f"config['num_stages'] must be >= 1, got {cfg['num_stages']}")
+    return cfg
+
+
+# ----------------------------------------------------------------------------- split-K counters
+class _SplitCounters:
+    """Per-device int32 arrival counters of split-K launches, all zero between launches (the
+    program that sums a column block puts its counter back), shared by every launch on a device
+    (launches on one stream run one after another; concurrent split-K launches on two streams
+    of one device would share counters and are not supported).
+
+    Made outside CUDA-graph capture only: counters made during a capture would be zeroed by the
+    graph's replays alone. A buffer that grows keeps its predecessor alive (captured graphs may
+    still use it)."""
+
+    def __init__(self) -> None:
+        self._by_device: dict[torch.device, torch.Tensor] = {}
+        self._retired: list[torch.Tensor] = []
+
+    def get(self, device: torch.device, blocks: int) -> torch.Tensor | None:
+        """``[>= blocks]`` int32 zeros on ``device``, or None while capturing without them."""
+        have = self._by_device.get(device)
+        if have is not None and have.numel() >= blocks:
+            return have
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        if have is not None:
+            self._retired.append(have)
+        made = self._by_device[device] = torch.zeros(max(blocks, 1 << 16), dtype=torch.int32, device=device)
+        return made
+
+
+_COUNTERS = _SplitCounters()
+
+
+# ----------------------------------------------------------------------------- launchers
+def _check_out(out: torch.Tensor | None, like: torch.Tensor, m: int, n: int) -> torch.Tensor:
+    if out is None:
+        return torch.empty((m, n), dtype=like.dtype, device=like.device)
+    if tuple(out.shape) != (m, n) or out.dtype != like.dtype or out.device != like.device or (m and n and out.stride(1) != 1):
+        raise InputError(
+            f"out must be a {like.dtype} [{m}, {n}] tensor on {like.device}, contiguous in its last dimension; got "
+            f"{out.dtype} {tuple(out.shape)} with strides {tuple(out.stride())} on {out.device}"
+        )
+    return out
+
+
+def _check_weight(weight: torch.Tensor, k: int, like: torch.Tensor, what: str) -> int:
+    if weight.dim() != 2 or weight.shape[1] != k:
+        raise InputError(f"{what}: weight must be [N, {k}] (nn.Linear's [out_features, in_features]); got {tuple(weight.shape)}")
+    if not weight.is_contiguous():
+        raise InputError(f"{what}: weight must be contiguous; got strides {tuple(weight.stride())} (call .contiguous() once)")
+    if weight.dtype != like.dtype or weight.device != like.device:
+        raise InputError(f"{what}: weight is {weight.dtype} on {weight.device}, the input {like.dtype} on {like.device}; they must match")
+    return weight.shape[0]
+
+
+def _check_rows(name: str, t: torch.Tensor, what: str) -> None:
+    if t.device.type != "cuda" and not interpreting():
+        raise InputError(
+            f"{what}: {name} is on {t.device}; the kernel needs a CUDA device, or Triton's CPU interpreter "
+            "(TRITON_INTERPRET=1 set before importing attngraph) for CPU tensors"
+        )
+    if t.dim() != 2:
+        raise InputError(f"{what}: {name} must be [M, K]; got {tuple(t.shape)}")
+    if t.shape[0] > MAX_ROWS:
+        raise InputError(f"{what}: {name} has {t.shape[0]} rows; the kernel takes at most {MAX_ROWS} (use F.linear)")
+    if t.dtype not in _DTYPES:
+        raise InputError(f"{what}: {name} must be bfloat16, float16 or float32; got {t.dtype}")
+    if t.shape[1] > 1 and t.stride(1) != 1:
+        raise InputError(f"{what}: {name} must be contiguous in its last dimension; got strides {tuple(t.stride())}")
+
+
+def _launch(x, x2, weight, bias, out, config, silu_mul: bool) -> torch.Tensor:
+    """Launch the kernel for validated operands (``x``, ``x2``: ``[M, K]``; ``out``: ``[M, N]``)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if m == 0 or n == 0:
+        return out
+    cfg = default_config(m, n, k, silu_mul=silu_mul) if config is None else _check_config(config)
+    block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    # each split's K range: a multiple of BLOCK_K; the splits that remain non-empty
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg["SPLIT_K"]), block_k) * block_k if k else block_k
+    split_k = triton.cdiv(k, k_per_split) if k else 1
+    blocks = triton.cdiv(n, block_n)
+    part = counters = out  # not read without split-K
+    if split_k > 1:
+        counters = _COUNTERS.get(x.device, blocks)
+        if counters is None:  # first split-K launch of this size inside a CUDA-graph capture
+            split_k, k_per_split, counters = 1, k, out
+        else:
+            part = torch.empty((split_k, rows_padded(m), n), dtype=torch.float32, device=x.device)
+    x2 = x2 if x2 is not None else x  # the kernel reads it with SILU_MUL only
+    # Triton launches on the current device
+    guard = torch.cuda.device(x.device) if x.is_cuda and x.device.index != torch.cuda.current_device() else nullcontext()
+    with guard:
+        _skinny_linear_kernel[(blocks, split_k)](
+            x, x2, weight, bias if bias is not None else weight, out, part, counters,
+            m, n, k, k_per_split, x.stride(0), x2.stride(0), weight.stride(0), out.stride(0),
+            ROWS=rows_padded(m), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+            HAS_BIAS=bias is not None, SILU_MUL=silu_mul, SOFT_BF16=x.dtype == torch.bfloat16 and interpreting(),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )  # fmt: skip
+    return out
+
+
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a few rows: ``x: [M, K]`` (``M <= MAX_ROWS``; rows any
+    stride apart, unit stride along K), ``weight: [N, K]`` contiguous, ``bias: [N]`` or None
+    -> ``[M, N]`` in ``x``'s dtype (bf16, fp16 or fp32; weight and bias of the same),
+    accumulated in fp32.
+
+    ``out``: an ``[M, N]`` tensor to write (unit stride along N); None: a new one.
+    ``config``: a `default_config`-style dict overriding the heuristic (benchmark sweeps).
+    """
+    what = "skinny_linear"
+    _check_rows("x", x, what)
+    n = _check_weight(weight, x.shape[1], x, what)
+    if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype != x.dtype or bias.device != x.device
+                             or (n > 1 and bias.stride(0) != 1)):  # fmt: skip
+        raise InputError(f"{what}: bias must be a contiguous {x.dtype} [{n}] on {x.device}; got {bias.dtype} {tuple(bias.shape)}")
+    out = _check_out(out, x, x.shape[0], n)
+    return _launch(x, None, weight, bias, out, config, silu_mul=False)
+
+
+def skinny_silu_mul_linear(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """``F.linear(silu(a) * b, weight)`` for a few rows (the MLP's down projection over its
+    gate and up): ``a, b: [M, I]`` (``M <= MAX_ROWS``; rows any stride apart, e.g. the halves
+    ``gu[:, :I]``, ``gu[:, I:]`` of a fused gate/up output), ``weight: [N, I]`` contiguous ->
+    ``[M, N]`` in ``a``'s dtype.
+
+    ``silu(a) * b`` is computed in fp32 and rounded once to the inputs' dtype (what an
+    inductor-fused producer of the GEMM gives), then multiplied with the weight in fp32.
+    ``out``, ``config``: as for `skinny_linear`.
+    """
+    what = "skinny_silu_mul_linear"
+    _check_rows("a", a, what)
+    _check_rows("b", b, what)
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        raise InputError(f"{what}: a and b must have one shape, dtype and device; got {a.dtype} {tuple(a.shape)} "
+                         f"on {a.device} and {b.dtype} {tuple(b.shape)} on {b.device}")  # fmt: skip
+    n = _check_weight(weight, a.shape[1], a, what)
+    out = _check_out(out, a, a.shape[0], n)
+    return _launch(a, b, weight, None, out, config, silu_mul=True)
+
+
+# ----------------------------------------------------------------------------- silu(a) * b alone
+@triton.jit
+def _silu_mul_kernel(A, B, Y, I, stride_am, stride_bm, BLOCK: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """``Y[r] = silu(A[r]) * B[r]`` for row ``r = program_id(0)``, fp32, rounded once; A, B:
+    rows ``stride_am`` / ``stride_bm`` apart, Y: ``[rows, I]`` contiguous."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < I
+    g = tl.load(A + row * stride_am + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(B + row * stride_bm + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * I + offs, _round(g / (1.0 + tl.exp(-g)) * u, Y.dtype.element_ty, SOFT_BF16), mask=mask)
+
+
+def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``silu(a) * b`` in one launch: ``a, b: [M, I]`` (rows any stride apart, unit stride
+    along I) -> ``[M, I]`` contiguous, computed in fp32 and rounded once to ``a``'s dtype (the
+    operand `skinny_silu_mul_linear` forms; what rows above the GEMV's take into cuBLAS)."""
+    what = "silu_mul"
+    if a.dim() != 2 or a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        raise InputError(f"{what}: a and b must be [M, I] of one shape, dtype and device; got {a.dtype} {tuple(a.shape)} "
+                         f"on {a.device} and {b.dtype} {tuple(b.shape)} on {b.device}")  # fmt: skip
+    if a.shape[1] > 1 and (a.stride(1) != 1 or b.stride(1) != 1):
+        raise InputError(f"{what}: a and b must be contiguous in their last dimension")
+    m, i = a.shape
+    out = torch.empty((m, i), dtype=a.dtype, device=a.device)
+    if m == 0 or i == 0:
+        return out
+    block = 1024
+    guard = torch.cuda.device(a.device) if a.is_cuda and a.device.index != torch.cuda.current_device() else nullcontext()
+    with guard:
+        _silu_mul_kernel[(m, triton.cdiv(i, block))](
+            a, b, out, i, a.stride(0), b.stride(0), BLOCK=block,
+            SOFT_BF16=a.dtype == torch.bfloat16 and interpreting(), num_warps=4,
+        )  # fmt: skip
+    return out
