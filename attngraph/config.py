@@ -124,6 +124,13 @@ class CompileConfig:
     fuse_linears:
         Paged runtime: linears reading the same input (q/k/v, gate/up) run as one GEMM on
         their concatenated weights (`passes.fuse_linears`; the parameters become views of it).
+    skinny_linears:
+        Paged runtime: linears call `torch.ops.attngraph.linear`, a Triton GEMV for steps of
+        at most `skinny_linear.MAX_ROWS` token rows on CUDA (decode steps of small batches)
+        and ``torch.nn.functional.linear`` otherwise, with a gated MLP's ``silu(gate) * up``
+        computed inside its down projection's GEMV (`passes.skinny_linears`). ``None``: on
+        for CUDA; ``True``: everywhere (on the CPU the ops run torch's linear: for testing
+        the rewrite); ``False``: off.
     absorb_mla:
         Paged runtime: multi-head latent attention (DeepSeek V2/V3 and kin) attends over its
         latent plus RoPE key, one KV head of ``kv_lora_rank + qk_rope_head_dim`` values per
@@ -163,6 +170,7 @@ class CompileConfig:
     lower_attention: bool = True
     deterministic: bool = False
     fuse_linears: bool = True
+    skinny_linears: bool | None = None
     absorb_mla: bool = True
     debug_dump_dir: str | None = None
 
@@ -203,6 +211,8 @@ class CompileConfig:
             if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
                 raise ConfigError(f"{fname} must be positive ints, got {sizes!r}")
             object.__setattr__(self, fname, tuple(sorted(set(sizes))))
+        if self.skinny_linears is not None and not isinstance(self.skinny_linears, bool):
+            raise ConfigError(f"skinny_linears must be None (on for CUDA), True or False, got {self.skinny_linears!r}")
         for fname in ("lower_attention", "deterministic", "fuse_linears", "absorb_mla"):
             if not isinstance(getattr(self, fname), bool):  # "no" would read as True
                 raise ConfigError(f"{fname} must be True or False, got {getattr(self, fname)!r}")
@@ -240,6 +250,9 @@ class CompileConfig:
     def replace(self, **changes: Any) -> "CompileConfig":
         """A copy with ``changes`` applied (validated again)."""
         return dataclasses.replace(self, **changes)
+
+    def resolved_skinny_linears(self, device_type: str) -> bool:
+        return device_type == "cuda" if self.skinny_linears is None else self.skinny_linears
 
     def resolved_piece_compiler(self, device_type: str) -> str:
         if self.piece_compiler != "auto":

@@ -31,6 +31,7 @@ def test_defaults_are_valid_and_frozen():
         (dict(trace_tokens=1), "trace_tokens"),
         (dict(trace_tokens=64.0), "trace_tokens"),
         (dict(fuse_linears="no"), "fuse_linears must be True or False"),
+        (dict(skinny_linears="yes"), "skinny_linears must be None"),
         (dict(deterministic=1), "deterministic"),
         (dict(lower_attention=None), "lower_attention"),
     ],
@@ -49,6 +50,12 @@ def test_unknown_field_is_named():
 
 def test_capture_sizes_sorted_and_deduplicated():
     assert CompileConfig(cuda_graph_capture_sizes=(8, 1, 8, 2)).cuda_graph_capture_sizes == (1, 2, 8)
+
+
+def test_skinny_linears_default_is_cuda_only():
+    assert CompileConfig().resolved_skinny_linears("cuda") and not CompileConfig().resolved_skinny_linears("cpu")
+    assert CompileConfig(skinny_linears=True).resolved_skinny_linears("cpu")
+    assert not CompileConfig(skinny_linears=False).resolved_skinny_linears("cuda")
 
 
 def test_config_pickles():

@@ -19,6 +19,7 @@ from ..errors import ConfigError
 from ..passes import fx_utils as fu
 from ..passes.site import AttentionSite
 from ..passes.fuse_linears import fuse_linears
+from ..passes.skinny_linears import skinny_linears
 from ..passes.token_mixing import TokenMixingOp, check_token_mixing
 from ..forward_context import ForwardContext, use_forward_context
 from .pipeline import PassPipeline
@@ -71,6 +72,7 @@ class AttnGraphBackend:
         self.row_index_inputs = tuple(row_index_inputs)
         self.compile_hook = compile_hook
         self.fused_linears: list = []  # a passes.fuse_linears.FuseResult per paged graph
+        self.skinny_results: list = []  # a passes.skinny_linears.SkinnyResult per paged graph rewritten
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         input_names = user_input_names(gm)  # read before the passes rewrite the graph
@@ -83,6 +85,7 @@ class AttnGraphBackend:
         device_type = _device_type(sites, example_inputs)
         if self.mode == "paged":
             gm, extra = self._fuse_linears(gm, example_inputs)
+            gm = self._skinny_linears(gm, device_type)
             fu.fill_example_values(gm)  # the passes' nodes: else AOTAutograd's cache refuses the graph
             fakes = self.fused_linears[-1].extra_fakes if extra else []
             inputs = list(example_inputs) + (fakes if len(fakes) == len(extra) else extra)
@@ -123,6 +126,18 @@ class AttnGraphBackend:
         result = fuse_linears(copy, example_inputs)
         self.fused_linears.append(result)
         return (copy, result.extra_inputs) if result.groups else (gm, [])
+
+    def _skinny_linears(self, gm: fx.GraphModule, device_type: str) -> fx.GraphModule:
+        """Paged mode (on CUDA by default): linears call attngraph's linear ops (`passes.skinny_linears`),
+        on a copy of the graph unless `_fuse_linears` made one already."""
+        if not (self.config.resolved_skinny_linears(device_type) and self.config.lower_attention):
+            return gm
+        if self.graphs and gm is self.graphs[-1]:  # Dynamo's own graph: rewrite a copy
+            graph = fx.Graph()
+            graph.output(graph.graph_copy(gm.graph, {}))
+            gm = fx.GraphModule(gm, graph)
+        self.skinny_results.append(skinny_linears(gm))
+        return gm
 
     def _token_mixing(self, gm: fx.GraphModule) -> list[TokenMixingOp]:
         if self.mode != "paged" or not self.token_inputs or not self.config.lower_attention:

@@ -1,0 +1,144 @@
+"""Pass `skinny_linears`: the paged graph's linears call attngraph's linear ops.
+
+A decode step multiplies a few token rows by every weight matrix. cuBLAS reads the weights of
+such products at a fraction of the memory bandwidth and splits K of the tall ones (a fill, a
+reduce and a copy launched around the GEMM). `torch.ops.attngraph.linear` runs a Triton GEMV
+(`attngraph.skinny_linear`) for at most `skinny_linear.MAX_ROWS` rows on CUDA and
+``torch.nn.functional.linear`` otherwise, so one traced graph serves decode and prefill
+steps alike; a captured CUDA graph holds whichever the step's row count chose.
+
+Rewrites, on a Dynamo graph (torch-level calls):
+
+* ``linear(x, w, b)`` -> ``attngraph.linear(x, w, b)``;
+* ``linear(silu(a) * b, w)`` (a gated MLP's down projection; either operand order of the
+  product) -> ``attngraph.silu_mul_linear(a, b, w)``: the GEMV computes the product as it
+  loads it, so neither it nor its kernel exists. ``a`` and ``b`` taken through a
+  ``.contiguous()`` (`fuse_linears`'s halves of the fused gate/up output) are read as the
+  strided views behind it.
+
+Linears whose weight holds more than `linear_ops.KERNEL_MAX_WEIGHT` elements stay as they are
+(`SkinnyResult.kept`): the GEMV loses to cuBLAS there at every row count measured. Left alone,
+with the reason in `SkinnyResult.refused`: a linear with keyword arguments or a weight that is
+not a matrix of known shape; a SiLU or product read by anything else is not folded into
+the down projection (that linear still becomes ``attngraph.linear``).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from .fuse_linears import LINEAR_TARGETS
+
+logger = logging.getLogger(__name__)
+
+SILU_TARGETS = (torch.nn.functional.silu, torch.ops.aten.silu.default)
+MUL_TARGETS = (operator.mul, torch.mul, torch.ops.aten.mul.Tensor)
+
+
+@dataclass
+class SkinnyResult:
+    """``linears``: names of the linears now calling ``attngraph.linear``; ``silu_mul``: of
+    those calling ``attngraph.silu_mul_linear``; ``kept``: left to cuBLAS for their weight's
+    size; ``refused``: (name, reason)."""
+
+    linears: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
+    silu_mul: list[str] = field(default_factory=list)
+    refused: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _is_call(node, targets) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def _behind_contiguous(node: fx.Node) -> fx.Node:
+    """``y`` for ``node = y.contiguous()`` read by nothing else, else ``node``."""
+    if node.op == "call_method" and node.target == "contiguous" and len(node.args) == 1 and not node.kwargs:
+        if len(node.users) == 1 and isinstance(node.args[0], fx.Node):
+            return node.args[0]
+    return node
+
+
+def _silu_mul_operands(x: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """``(a, b)`` when ``x = silu(a) * b`` (or ``b * silu(a)``), the product and the SiLU read
+    only there; None otherwise."""
+    if not _is_call(x, MUL_TARGETS) or x.kwargs or len(x.args) != 2 or len(x.users) != 1:
+        return None
+    for s, b in (x.args, x.args[::-1]):
+        if not (_is_call(s, SILU_TARGETS) and isinstance(b, fx.Node) and len(s.users) == 1 and s is not b):
+            continue
+        if len(s.args) != 1 or any(k != "inplace" or v for k, v in s.kwargs.items()):
+            continue
+        if isinstance(s.args[0], fx.Node):
+            return s.args[0], b
+    return None
+
+
+def _fits(weight: torch.Tensor, max_weight: int | None) -> bool:
+    if max_weight is None:
+        return True
+    numel = weight.numel()
+    return isinstance(numel, int) and numel <= max_weight  # a symbolic size: not a weight
+
+
+def skinny_linears(gm: fx.GraphModule, fold_silu_mul: bool = True, max_weight: int | None = -1) -> SkinnyResult:
+    """Rewrite ``gm``'s linears (module docstring). Mutates ``gm``; returns what it did.
+
+    ``max_weight``: linears whose weight holds more elements stay as they are (the ops would
+    run cuBLAS for them at any row count; a gated MLP's product stays inductor's to fuse).
+    ``-1``: `linear_ops.KERNEL_MAX_WEIGHT`; None: every linear."""
+    from .. import linear_ops  # registers torch.ops.attngraph.linear / silu_mul_linear
+
+    if max_weight == -1:
+        max_weight = linear_ops.KERNEL_MAX_WEIGHT
+
+    result = SkinnyResult()
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if not _is_call(node, LINEAR_TARGETS):
+            continue
+        if node.kwargs:
+            result.refused.append((node.name, "keyword arguments"))
+            continue
+        x, w, b = (list(node.args) + [None, None])[:3]
+        if not isinstance(x, fx.Node) or not isinstance(w, fx.Node) or not (b is None or isinstance(b, fx.Node)):
+            result.refused.append((node.name, "an input that is not a graph node"))
+            continue
+        weight = w.meta.get("example_value")
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            result.refused.append((node.name, "the weight is not a matrix of known shape"))
+            continue
+        if not _fits(weight, max_weight):
+            result.kept.append(node.name)
+            continue
+        operands = _silu_mul_operands(x) if fold_silu_mul and b is None else None
+        folded: list[fx.Node] = []
+        with graph.inserting_before(node):
+            if operands is not None:
+                gate, up = operands
+                a, b_up = _behind_contiguous(gate), _behind_contiguous(up)
+                new = graph.call_function(torch.ops.attngraph.silu_mul_linear.default, (a, b_up, w))
+                folded = [x, x.args[0] if x.args[0] is not up else x.args[1], gate, up]  # mul, silu, copies
+                result.silu_mul.append(node.name)
+            else:
+                new = graph.call_function(torch.ops.attngraph.linear.default, (x, w, b))
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        for dead in folded:  # in use order: each is read by nothing once the ones before it are gone
+            if dead.op in ("call_function", "call_method") and not dead.users and dead in graph.nodes:
+                graph.erase_node(dead)
+        result.linears.append(node.name)
+    if result.linears:
+        graph.lint()
+        gm.recompile()
+        logger.info("skinny_linears: %d linears call attngraph.linear (%d with SiLU * up folded in)",
+                    len(result.linears), len(result.silu_mul))  # fmt: skip
+    for name, reason in result.refused:
+        logger.info("skinny_linears: %s left as it was: %s", name, reason)
+    return result

@@ -1,0 +1,169 @@
+"""Pass `skinny_linears` on Dynamo graphs: op counts before and after, the folds it must refuse,
+and the rewritten graph's values against the module it was traced from (fp32 on the CPU, where
+the ops run ``torch.nn.functional.linear``)."""
+
+import operator
+
+import pytest
+import torch
+import transformers
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+import attngraph.linear_ops  # noqa: F401  (the ops the pass calls)
+from attngraph.passes.fuse_linears import LINEAR_TARGETS, fuse_linears
+from attngraph.passes.skinny_linears import skinny_linears
+
+
+def traced(module: torch.nn.Module, *inputs: torch.Tensor):
+    """Dynamo's graph of ``module(*inputs)``, its placeholders, and the real tensors behind
+    them (None for the module's own inputs, given per call)."""
+    captured = []
+
+    def capture(gm, example_inputs):
+        captured.append((gm, list(example_inputs)))
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(module, backend=capture, fullgraph=True)(*inputs)
+    gm, example = captured[0]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    real = [t if isinstance(t, torch.nn.Parameter) else None for t in example]
+    return gm, placeholders, real
+
+
+def count(gm, targets) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in targets)
+
+
+def run_graph(gm, placeholders, real, x):
+    return gm(*[x if r is None else r for r in real])
+
+
+def mlp(hidden=48, inter=80, seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=inter, hidden_act="silu", num_attention_heads=4,
+                                   num_key_value_heads=2)
+    return LlamaMLP(cfg).eval()
+
+
+SILU_MUL = (torch.ops.attngraph.silu_mul_linear.default,)
+LINEAR = (torch.ops.attngraph.linear.default,)
+
+
+def test_gated_mlp_down_projection_folds_silu_and_product():
+    module = mlp()
+    x = torch.randn(3, 48)
+    gm, phs, real = traced(module, x)
+    assert count(gm, LINEAR_TARGETS) == 3 and count(gm, (torch.nn.functional.silu,)) == 1
+    result = skinny_linears(gm)
+    assert count(gm, LINEAR_TARGETS) == 0
+    assert count(gm, LINEAR) == 2 and count(gm, SILU_MUL) == 1
+    assert count(gm, (torch.nn.functional.silu, operator.mul)) == 0
+    assert len(result.linears) == 3 and len(result.silu_mul) == 1 and not result.refused
+    x = torch.randn(5, 48)
+    torch.testing.assert_close(run_graph(gm, phs, real, x)[0], module(x), rtol=1e-5, atol=1e-5)
+
+
+def test_after_fuse_linears_the_fold_reads_the_fused_halves_without_copies():
+    module = mlp(seed=1)
+    x = torch.randn(2, 48)
+    gm, phs, real = traced(module, x)
+    fused = fuse_linears(gm, real)
+    assert len(fused.groups) == 1
+    copies = sum(1 for n in gm.graph.nodes if n.op == "call_method" and n.target == "contiguous")
+    assert copies == 2
+    skinny_linears(gm)
+    assert count(gm, LINEAR) == 1 and count(gm, SILU_MUL) == 1
+    assert not any(n.op == "call_method" and n.target == "contiguous" for n in gm.graph.nodes)
+    (call,) = [n for n in gm.graph.nodes if n.target in SILU_MUL]
+    assert all(a.op == "call_method" and a.target == "narrow" for a in call.args[:2])
+    x = torch.randn(4, 48)
+    got = gm(*[x if r is None else r for r in real], *fused.extra_inputs)[0]
+    torch.testing.assert_close(got, module(x), rtol=1e-5, atol=1e-5)
+
+
+class SharedSilu(torch.nn.Module):
+    """The SiLU output is read twice: folding it into the GEMV would lose the other reader."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(16, 24, bias=False)
+        self.up = torch.nn.Linear(16, 24, bias=False)
+        self.down = torch.nn.Linear(24, 16, bias=True)
+
+    def forward(self, x):
+        s = torch.nn.functional.silu(self.gate(x))
+        return self.down(s * self.up(x)) + s.sum(-1, keepdim=True)
+
+
+class GeluMlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, 32)
+        self.fc2 = torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+@pytest.mark.parametrize("module_cls", [SharedSilu, GeluMlp])
+def test_no_fold_where_it_is_unsafe_or_not_a_silu_product(module_cls):
+    torch.manual_seed(2)
+    module = module_cls().eval()
+    x = torch.randn(3, 16)
+    gm, phs, real = traced(module, x)
+    n_linears = count(gm, LINEAR_TARGETS)
+    silus = count(gm, (torch.nn.functional.silu,))
+    result = skinny_linears(gm)
+    assert count(gm, SILU_MUL) == 0 and not result.silu_mul
+    assert count(gm, LINEAR) == n_linears and count(gm, LINEAR_TARGETS) == 0
+    assert count(gm, (torch.nn.functional.silu,)) == silus  # kept: still read
+    x = torch.randn(6, 16)
+    torch.testing.assert_close(run_graph(gm, phs, real, x)[0], module(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_linear_with_keyword_arguments_is_left_alone():
+    graph = torch.fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    out = graph.call_function(torch._C._nn.linear, (x,), {"weight": w})
+    graph.output(out)
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    result = skinny_linears(gm)
+    assert result.refused == [(out.name, "keyword arguments")] and count(gm, LINEAR_TARGETS) == 1
+
+
+@pytest.mark.parametrize("arch,impl", [("llama", "sdpa"), ("qwen2", "eager"), ("gpt_oss", "eager")])
+def test_accelerated_generate_with_the_rewrite_equals_hf(arch, impl):
+    """The whole paged runtime with every linear rewritten (the CPU runs the ops' torch
+    fallback, so fp32 tokens must equal HF's exactly) and the graphs' rewrites counted."""
+    import copy
+
+    import attngraph
+    from attngraph.runtime.accelerate import state_of
+
+    from ..hf_models import build_model
+    from ..runtime.test_generate import GREEDY, left_padded_batch
+
+    model = build_model(arch, impl)
+    reference = copy.deepcopy(model)
+    attngraph.accelerate(model, attention_backend="torch_native", page_size=4, skinny_linears=True)
+    ids, mask = left_padded_batch(model.config.vocab_size)
+    got = model.generate(ids, attention_mask=mask, **GREEDY)
+    with torch.no_grad():
+        want = reference.generate(ids, attention_mask=mask, **GREEDY)
+    assert torch.equal(got, want)
+    results = state_of(model).runner.ragged.backend.skinny_results
+    assert results and sum(len(r.linears) for r in results) >= 2 * model.config.num_hidden_layers
+    if arch != "gpt_oss":  # its experts are batched matmuls, not linears
+        assert sum(len(r.silu_mul) for r in results) == model.config.num_hidden_layers
+
+
+def test_linears_above_the_weight_limit_stay_cublas_and_keep_inductors_product():
+    module = mlp(seed=3)  # gate/up/down: 48 x 80 = 3840 elements each
+    x = torch.randn(3, 48)
+    gm, phs, real = traced(module, x)
+    result = skinny_linears(gm, max_weight=3839)
+    assert len(result.kept) == 3 and not result.linears and not result.silu_mul
+    assert count(gm, LINEAR_TARGETS) == 3 and count(gm, (torch.nn.functional.silu, operator.mul)) == 2
+    gm, phs, real = traced(module, x)
+    assert len(skinny_linears(gm, max_weight=3840).silu_mul) == 1
