@@ -11,6 +11,8 @@ choice on the row's own prefix).
 
     python benchmarks/bench_generate.py --shapes 1b,8b --batches 1,16,64 --backends triton \
         --hf-static --out benchmarks/results/generate.json
+    python benchmarks/bench_generate.py --shapes 1b --batches 1,16 --backends triton \
+        --loops chunks,steps --skinny on,off   # the decoding loops and the GEMV side by side
     python benchmarks/plot_generate.py benchmarks/results/generate.json --png benchmarks/generate.png
 """
 
@@ -73,6 +75,18 @@ def timed(model, ids, mask, new_tokens: int, **extra) -> tuple[torch.Tensor, flo
     return out, (time.perf_counter() - t0) / new_tokens
 
 
+class _KeepScores(transformers.LogitsProcessor):
+    """A logits processor that changes nothing: with one, attngraph's loop decodes a step at a
+    time (the loop greedy search without processors replaces by multi-step chunks)."""
+
+    def __call__(self, input_ids, scores):
+        return scores
+
+
+#: ``--loops``: generate keywords per decoding loop.
+LOOPS = {"chunks": {}, "steps": {"logits_processor": transformers.LogitsProcessorList([_KeepScores()])}}
+
+
 def teacher_forced_agreement(reference, accelerated, sequences, prompt_len: int, mask) -> float:
     """Fraction of generated positions where HF eager, given the accelerated run's own prefix,
     picks the same greedy token (random weights make free-running sequences diverge at the
@@ -115,6 +129,10 @@ def main() -> None:
     p.add_argument("--hf-eager", action="store_true", help="also time HF eager generate (slow)")
     p.add_argument("--hf-static", nargs="?", const="all", default="",
                    help="also HF generate with a static cache (compiled by transformers), for these shapes (default: all)")
+    p.add_argument("--loops", default="chunks",
+                   help="attngraph's decoding loop: chunks (multi-step graphs: greedy without processors) and/or "
+                        "steps (a step at a time, as with any logits processor), comma-separated")  # fmt: skip
+    p.add_argument("--skinny", default="on", help="CompileConfig.skinny_linears: on (the default on CUDA) and/or off, comma-separated")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -152,21 +170,25 @@ def main() -> None:
                     except Exception as exc:
                         add("HF static cache + torch.compile", b, error=f"{type(exc).__name__}: {exc}"[:500])
                     torch._dynamo.reset()
-        for name in [x for x in args.backends.split(",") if x]:
+        variants = [(name, skinny) for name in args.backends.split(",") if name for skinny in args.skinny.split(",")]
+        for name, skinny in variants:
+            label = f"attngraph[{name}]" + ("" if skinny == "on" else " skinny_linears=False")
             m = copy.deepcopy(model)
             t0 = time.perf_counter()
             try:
-                attngraph.accelerate(m, attention_backend=name, kv_cache_tokens=1 << 15)
+                attngraph.accelerate(m, attention_backend=name, kv_cache_tokens=1 << 15, skinny_linears=skinny == "on")
             except Exception as exc:  # report and go on with the next backend
-                add(f"attngraph[{name}]", 0, error=f"{type(exc).__name__}: {exc}"[:500])
+                add(label, 0, error=f"{type(exc).__name__}: {exc}"[:500])
                 continue
             setup_s = time.perf_counter() - t0
             for b in batches:
                 ids, mask = prompts(vocab, b, args.prompt)
-                out, ms = decode_step_ms(m, ids, mask, args.new_tokens)
-                add(f"attngraph[{name}]", b, ms_per_step=round(ms, 3), **decode_kernels(m, b, args.prompt),
-                    teacher_forced_agreement=round(teacher_forced_agreement(model, m, out, args.prompt, mask), 4),
-                    setup_s=round(setup_s, 1))  # fmt: skip
+                kernels = decode_kernels(m, b, args.prompt)
+                for loop in args.loops.split(","):
+                    out, ms = decode_step_ms(m, ids, mask, args.new_tokens, **LOOPS[loop])
+                    add(label + ("" if loop == "chunks" else " step loop"), b, ms_per_step=round(ms, 3), **kernels,
+                        teacher_forced_agreement=round(teacher_forced_agreement(model, m, out, args.prompt, mask), 4),
+                        setup_s=round(setup_s, 1))  # fmt: skip
             attngraph.restore(m)
             del m
             torch.cuda.empty_cache()

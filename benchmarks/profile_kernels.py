@@ -34,7 +34,7 @@ from bench_prefill import prefill_step, random_model, result_header  # noqa: E40
 #: Kernel classes, first match wins (names as CUPTI reports them).
 CLASSES = [
     ("splitk_reduce", re.compile(r"splitKreduce|reduce_kernel.*splitK", re.I)),
-    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|sm90_|gemv|cublas|mm_kernel|triton_tem", re.I)),
+    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|sm90_|gemv|skinny|cublas|mm_kernel|triton_tem", re.I)),
     ("attention", re.compile(r"attention|_fwd_kernel|flashinfer|Prefill|Decode|merge|_stage", re.I)),
     # inductor's generated kernels first: their names spell the ops they fused (``..._to_copy..``)
     ("inductor_fused", re.compile(r"^triton_", re.I)),
@@ -104,6 +104,7 @@ def main() -> None:
     p.add_argument("--decode-batch", type=int, default=1)
     p.add_argument("--trace-tokens", type=int, default=None, help="CompileConfig.trace_tokens")
     p.add_argument("--num-tokens", default=None, help="CompileConfig.cuda_graph_num_tokens, comma-separated")
+    p.add_argument("--no-skinny", action="store_true", help="CompileConfig.skinny_linears=False (cuBLAS for every linear)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -112,12 +113,13 @@ def main() -> None:
     extra = {}
     if args.num_tokens:
         extra["cuda_graph_num_tokens"] = tuple(int(t) for t in args.num_tokens.split(","))
-    attngraph.accelerate(model, cuda_graph=args.mode, attention_backend=args.backend, trace_tokens=args.trace_tokens, **extra)
+    attngraph.accelerate(model, cuda_graph=args.mode, attention_backend=args.backend, trace_tokens=args.trace_tokens,
+                       skinny_linears=not args.no_skinny, **extra)  # fmt: skip
     runner = state_of(model).runner
     vocab = model.config.vocab_size
     result = result_header(
         "profile_kernels.py", shape=args.shape, backend=args.backend, mode=args.mode,
-        trace_tokens=runner.trace_tokens(), steps={},
+        trace_tokens=runner.trace_tokens(), skinny_linears=not args.no_skinny, steps={},
     )
     for n in [int(t) for t in args.tokens.split(",") if t]:
         step, free = prefill_step(runner, 1, n, vocab)
