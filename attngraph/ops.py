@@ -84,8 +84,9 @@ def attention_impl(
         n = ctx.batch.num_tokens
         if q.shape[0] == n:  # contiguous, as the fake promises (a no-op for the GPU kernels)
             return ctx.backend.forward(q, k, v, layer, ctx.batch).contiguous()
-        # Rows past the batch's tokens pad the graph input (see RaggedModel): zero output, no K/V.
-        out = q.new_zeros((q.shape[0], q.shape[1], v.shape[2]))
+        # Rows past the batch's tokens pad the graph input (see RaggedModel): no K/V stored, their
+        # output left unwritten (no fill kernel); the graph is token-wise, so no real row reads them.
+        out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
         return paged_attention_into(out, q, k, v, layer_id, scale, causal, window_left, logit_cap, batch_size, sinks,
                                     chunk_size, alibi_slopes)  # fmt: skip
     if q.shape[0] == 0 or batch_size == 0:  # an empty batch: nothing to attend (eager gives [0, ...] too)

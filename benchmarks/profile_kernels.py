@@ -71,7 +71,7 @@ def kernel_table(step, steps: int = 5) -> dict:
         c = by_class[classify(name)]
         c[0] += us
         c[1] += n
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:40]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:60]
     return {
         "gpu_ms": sum(us for us, _ in by_name.values()) / 1e3,
         "kernels": round(sum(n for _, n in by_name.values())),

@@ -14,7 +14,7 @@ The split of the metadata work follows what CUDA graphs need:
   before each replay (`prepare_forward_metadata_for_breakable_cuda_graph_replay`); any other
   gets `init_forward_metadata` every step.
 * `forward(..., out=)`: the result written into a caller's buffer (the piecewise staging rows);
-  by the kernel itself where `extend_writes_out`.
+  by the kernel itself where `extend_writes_out` / `decode_writes_out`.
 
 Layouts: ``q: [T, num_q_heads, head_dim]``, ``k/v: [T, num_kv_heads, head_dim]`` (GQA keeps its
 own KV head count), output ``[T, num_q_heads, v_head_dim]``.
@@ -203,6 +203,8 @@ class AttentionBackend:
     cuda_graph_seq_len_fill_value: ClassVar[int] = 1
     #: True when `forward_extend` takes ``out=`` and its kernel writes the result there (no copy).
     extend_writes_out: ClassVar[bool] = False
+    #: True when `forward_decode` takes ``out=`` and its kernel writes the result there (no copy).
+    decode_writes_out: ClassVar[bool] = False
     #: Piecewise / breakable CUDA graphs (attention runs between the captured pieces): True when
     #: the backend creates its step metadata once, when the runner captures
     #: (`init_forward_metadata_for_breakable_cuda_graph_capture`), with device buffers at fixed
@@ -260,7 +262,8 @@ class AttentionBackend:
         ``q: [T, Hq, D]``, ``k: [T, Hkv, D]``, ``v: [T, Hkv, Dv]`` are the new tokens'; with
         ``save_kv_cache`` the backend writes k/v into the pool at ``batch.out_cache_loc`` first.
         Returns ``[T, Hq, Dv]``; with ``out`` (contiguous ``[T, Hq, Dv]``) the result is written
-        there and ``out`` is returned (by the kernel itself where `extend_writes_out`).
+        there and ``out`` is returned (by the kernel itself where `extend_writes_out` /
+        `decode_writes_out`).
         """
         from ..forward_batch import ForwardMode
 
@@ -275,6 +278,8 @@ class AttentionBackend:
                 )
         if batch.mode is ForwardMode.IDLE:
             res = q.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))
+        elif batch.mode is ForwardMode.DECODE and out is not None and self.decode_writes_out and out.is_contiguous():
+            return self.forward_decode(q, k, v, layer, batch, save_kv_cache, out=out)
         elif batch.mode is ForwardMode.DECODE:
             res = self.forward_decode(q, k, v, layer, batch, save_kv_cache)
         elif out is not None and self.extend_writes_out:

@@ -209,6 +209,7 @@ class _StepBuffers:
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
     extend_writes_out = True
+    decode_writes_out = True
     use_captured_forward_metadata_for_breakable_cuda_graph = True
     capabilities = BackendCapabilities(
         device_types=("cuda",),
@@ -569,21 +570,24 @@ class FlashInferBackend(AttentionBackend):
             self._warned.add(what)
             logger.warning("flashinfer backend: %s; using the torch_native reference for it", what)
 
-    def forward_decode(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch, save_kv_cache: bool = True):
+    def forward_decode(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch, save_kv_cache: bool = True, out=None):
         sink_args = _sink_args(layer, q)  # checked before anything is written
         if save_kv_cache:
             self.save_kv(layer, batch, k, v)
         if layer.v_head_dim != layer.head_dim:
             self._warn_once("decode with v_head_dim != head_dim")
-            return self._ref().forward_decode(q, k, v, layer, batch, save_kv_cache=False)
+            return _result(self._ref().forward_decode(q, k, v, layer, batch, save_kv_cache=False), out, q.dtype)
         if layer.has_sinks and layer.logit_cap > 0:
             self._warn_once("attention sinks with a softcap")
-            return self._ref().forward_decode(q, k, v, layer, batch, save_kv_cache=False)
+            return _result(self._ref().forward_decode(q, k, v, layer, batch, save_kv_cache=False), out, q.dtype)
         pool = batch.kv_pool
         w = self._planned(_Kind.of(layer, decode=True), decode=True)
         kv = (pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id])  # NHD pages
-        out = w.run(q.to(pool.dtype).contiguous(), kv, *sink_args)  # [B, Hq, D]
-        return out.to(q.dtype)
+        given = out
+        if out is None or out.dtype != pool.dtype or not out.is_contiguous():
+            out = q.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim), dtype=pool.dtype)
+        w.run(q.to(pool.dtype).contiguous(), kv, *sink_args, out=out)  # [B, Hq, D]
+        return _result(out, given, q.dtype)
 
     def forward_extend(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch, save_kv_cache: bool = True, out=None):
         sink_args = _sink_args(layer, q)  # checked before anything is written

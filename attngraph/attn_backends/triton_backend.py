@@ -109,6 +109,7 @@ class TritonBackend(AttentionBackend):
     """
 
     name = "triton"
+    decode_writes_out = True
     capabilities = BackendCapabilities(
         # Under the interpreter the kernels take CPU tensors; "auto" never picks it there.
         device_types=("cuda", "cpu") if interpreting() and _INTERPRETER_PROBLEM is None else ("cuda",),
@@ -256,9 +257,11 @@ class TritonBackend(AttentionBackend):
             )
 
     # ------------------------------------------------------------------ compute
-    def forward_decode(self, q, k, v, layer: AttentionLayer, batch: "ForwardBatch", save_kv_cache: bool = True) -> torch.Tensor:
-        """``q: [B, Hq, D]`` (one new token per request) -> ``[B, Hq, Dv]``; ``k: [B, Hkv, D]``,
-        ``v: [B, Hkv, Dv]`` are stored at ``batch.out_cache_loc`` with ``save_kv_cache``."""
+    def forward_decode(self, q, k, v, layer: AttentionLayer, batch: "ForwardBatch", save_kv_cache: bool = True,
+                       out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """``q: [B, Hq, D]`` (one new token per request) -> ``[B, Hq, Dv]``, written to ``out``
+        (contiguous ``[B, Hq, Dv]``) when given; ``k: [B, Hkv, D]``, ``v: [B, Hkv, Dv]`` are
+        stored at ``batch.out_cache_loc`` with ``save_kv_cache``."""
         self._check_device(q)
         pool = batch.kv_pool
         bsz = q.shape[0]
@@ -275,7 +278,8 @@ class TritonBackend(AttentionBackend):
                 self.save_kv(layer, batch, k, v)
         kb = pool.k_buffers[layer.layer_id].view(-1, pool.num_kv_heads, pool.head_dim)
         vb = pool.v_buffers[layer.layer_id].view(-1, pool.num_kv_heads, pool.v_head_dim)
-        out = q.new_empty((bsz, layer.num_q_heads, pool.v_head_dim))
+        if out is None:
+            out = q.new_empty((bsz, layer.num_q_heads, pool.v_head_dim))
         splits = self.decode_max_splits(bsz, pool.num_kv_heads, q.device)
         part_o, part_lse = self._partials(bsz, layer.num_q_heads, splits, pool.v_head_dim, q.device)
         # A decode query is the last key, so causal and non-causal see the same keys.

@@ -22,6 +22,7 @@ from ..errors import CaptureError
 from ..forward_batch import ForwardBatch, ForwardMode
 from ..forward_context import ForwardContext, use_forward_context
 from .graph_memory import capture_step
+from .ragged_model import graph_rows
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +51,8 @@ class DecodeGraphRunner:
         fill = self.backend.cuda_graph_seq_len_fill_value
         self.fill = fill
         self.pad_row = pool.pad_row  # owns no pages: its table row points at the dummy page
-        n = self.max_bs
-        # Static inputs: [max_bs] (views [:bs] per captured size).
+        n = graph_rows(self.max_bs)
+        # Static inputs: [max(max_bs, MIN_TOKENS)] (views [:bs] per captured size).
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
         self.req_pool_indices = torch.full((n,), self.pad_row, dtype=torch.int32, device=device)
@@ -92,7 +93,8 @@ class DecodeGraphRunner:
         bs = batch.batch_size
         self.backend.init_forward_metadata_in_graph(batch)
         with use_forward_context(ForwardContext(self.backend, batch)):
-            return self.runner.ragged(batch.input_ids, batch.positions, self.logits_indices[:bs])
+            rows = graph_rows(bs)  # bs = 1: one padding row, already in the static buffers
+            return self.runner.ragged(self.input_ids[:rows], self.positions[:rows], self.logits_indices[:rows])[:bs]
 
     def capture(self, progress=None, stream: "torch.cuda.Stream | None" = None) -> None:
         """Capture every size, largest first (``progress``: a tqdm bar, updated per size;

@@ -29,6 +29,7 @@ from ..errors import CaptureError
 from ..forward_batch import ForwardBatch, ForwardMode
 from ..forward_context import ForwardContext, use_forward_context
 from .graph_memory import capture_step
+from .ragged_model import graph_rows
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class MultiStepDecodeGraphs:
         self.max_bs = decode.max_bs
         self.fill = decode.fill
         self.pad_row = decode.pad_row
-        n, device = self.max_bs, self.pool.device
+        n, device = graph_rows(self.max_bs), self.pool.device
         self.first_ids = torch.zeros(n, dtype=torch.long, device=device)  # the tokens fed at step 0
         self.tokens = torch.zeros(MAX_STEPS, n, dtype=torch.long, device=device)  # argmax of each step
         self.req_pool_indices = torch.full((n,), self.pad_row, dtype=torch.int32, device=device)
@@ -129,10 +130,12 @@ class MultiStepDecodeGraphs:
     def _record(self, batches: list[ForwardBatch]) -> torch.Tensor:
         """The recorded body: each step's forward, its argmax written where the next step reads it."""
         bs = batches[0].batch_size
+        rows = graph_rows(bs)  # bs = 1: one padding row, already in the static buffers
         for j, batch in enumerate(batches):
             self.backend.init_forward_metadata_in_graph(batch)
+            ids = self.first_ids[:rows] if j == 0 else self.tokens[j - 1, :rows]
             with use_forward_context(ForwardContext(self.backend, batch)):
-                logits = self.runner.ragged(batch.input_ids, batch.positions, self.logits_indices[:bs])
+                logits = self.runner.ragged(ids, self._longs[0, j, :rows], self.logits_indices[:rows])[:bs]
             torch.argmax(logits.float(), dim=-1, out=self.tokens[j, :bs])
         return self.tokens[: len(batches), :bs]
 

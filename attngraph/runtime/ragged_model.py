@@ -28,6 +28,14 @@ from ..passes.site import AttentionSite
 logger = logging.getLogger(__name__)
 
 MIN_TOKENS = 2
+
+
+def graph_rows(batch_size: int) -> int:
+    """Rows a step over static buffers hands `RaggedModel`: at least `MIN_TOKENS`, so that a
+    captured batch of one holds no padding kernels (the copies ``__call__`` makes otherwise).
+    The rows past ``batch_size`` are padding: ids and positions left there by earlier steps
+    (in range, as every value those buffers ever held is), outputs never read."""
+    return max(batch_size, MIN_TOKENS)
 _instance_ids = itertools.count()
 
 
@@ -123,7 +131,8 @@ class RaggedModel:
         """``input_ids, positions: [T]``, ``logits_indices: [L]`` -> logits ``[L, vocab]``.
 
         Token rows beyond the ForwardBatch's ``num_tokens`` are padding (their attention output
-        is zero and their K/V are not stored).
+        is left unwritten and their K/V are not stored; `check_token_mixing` has proven that no
+        other row reads them).
         """
         n, n_logits = input_ids.shape[0], logits_indices.shape[0]
         if n < MIN_TOKENS:

@@ -236,6 +236,22 @@ def test_decode_matches_reference(seq_lens, hq, hkv, d, page_size, window, cap, 
     run_and_check(backend, q, k, v, layer_for(hq, hkv, d, window_left=window, logit_cap=cap), batch)
 
 
+def test_decode_writes_the_given_out_buffer():
+    """With ``out=`` (the padded graph rows' first rows) the decode kernel writes there itself:
+    the same buffer comes back, equal to the reference, and the rows past it keep their poison."""
+    pool, batch, q, k, v = make_step([17, 4], [1, 1], hq=4, hkv=2, d=16, page_size=4, dtype=torch.float32,
+                                     mode=ForwardMode.DECODE)  # fmt: skip
+    layer = layer_for(4, 2, 16)
+    backend = TritonBackend(min_split_len=4, max_kv_splits=4)
+    assert backend.decode_writes_out
+    padded = torch.full((3, 4, 16), float("nan"), dtype=q.dtype, device=q.device)
+    backend.init_forward_metadata(batch)
+    got = backend.forward(q, k, v, layer, batch, out=padded[:2])
+    assert got.data_ptr() == padded.data_ptr()
+    torch.testing.assert_close(got.float(), reference(q, layer, batch), atol=TOL[q.dtype], rtol=TOL[q.dtype])
+    assert torch.isnan(padded[2]).all()
+
+
 def test_decode_noncausal_equals_causal():
     pool, batch, q, k, v = make_step([12, 30], [1, 1], hq=4, hkv=2, d=16, page_size=4, dtype=torch.float32)
     backend = TritonBackend(min_split_len=8)
