@@ -17,7 +17,9 @@ Rewrites, on a Dynamo graph (torch-level calls):
   strided views behind it.
 
 Linears whose weight holds more than `linear_ops.KERNEL_MAX_WEIGHT` elements stay as they are
-(`SkinnyResult.kept`): the GEMV loses to cuBLAS there at every row count measured. Left alone,
+(`SkinnyResult.kept`): the GEMV loses to cuBLAS there at every row count measured; a down
+projection that folds SiLU * up has the larger `linear_ops.KERNEL_MAX_SILU_MUL_WEIGHT`, since
+the fold also saves the product's launch. Left alone,
 with the reason in `SkinnyResult.refused`: a linear with keyword arguments or a weight that is
 not a matrix of known shape; a SiLU or product read by anything else is not folded into
 the down projection (that linear still becomes ``attngraph.linear``).
@@ -91,11 +93,13 @@ def skinny_linears(gm: fx.GraphModule, fold_silu_mul: bool = True, max_weight: i
 
     ``max_weight``: linears whose weight holds more elements stay as they are (the ops would
     run cuBLAS for them at any row count; a gated MLP's product stays inductor's to fuse).
-    ``-1``: `linear_ops.KERNEL_MAX_WEIGHT`; None: every linear."""
+    ``-1``: `linear_ops.KERNEL_MAX_WEIGHT`, and `linear_ops.KERNEL_MAX_SILU_MUL_WEIGHT` for a
+    linear that folds SiLU * up; None: every linear."""
     from .. import linear_ops  # registers torch.ops.attngraph.linear / silu_mul_linear
 
+    max_silu_mul = max_weight
     if max_weight == -1:
-        max_weight = linear_ops.KERNEL_MAX_WEIGHT
+        max_weight, max_silu_mul = linear_ops.KERNEL_MAX_WEIGHT, linear_ops.KERNEL_MAX_SILU_MUL_WEIGHT
 
     result = SkinnyResult()
     graph = gm.graph
@@ -113,10 +117,10 @@ def skinny_linears(gm: fx.GraphModule, fold_silu_mul: bool = True, max_weight: i
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             result.refused.append((node.name, "the weight is not a matrix of known shape"))
             continue
-        if not _fits(weight, max_weight):
+        operands = _silu_mul_operands(x) if fold_silu_mul and b is None else None
+        if not _fits(weight, max_weight if operands is None else max_silu_mul):
             result.kept.append(node.name)
             continue
-        operands = _silu_mul_operands(x) if fold_silu_mul and b is None else None
         folded: list[fx.Node] = []
         with graph.inserting_before(node):
             if operands is not None:

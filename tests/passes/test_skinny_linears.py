@@ -167,3 +167,21 @@ def test_linears_above_the_weight_limit_stay_cublas_and_keep_inductors_product()
     assert count(gm, LINEAR_TARGETS) == 3 and count(gm, (torch.nn.functional.silu, operator.mul)) == 2
     gm, phs, real = traced(module, x)
     assert len(skinny_linears(gm, max_weight=3840).silu_mul) == 1
+
+
+def test_the_default_limits_let_a_folding_down_projection_past_the_plain_limit(monkeypatch):
+    """With the default limits, a down projection that folds SiLU * up may hold more weight
+    (`KERNEL_MAX_SILU_MUL_WEIGHT`) than a plain linear (`KERNEL_MAX_WEIGHT`)."""
+    from attngraph import linear_ops
+
+    module = mlp(seed=4)  # gate/up/down: 3840 elements each
+    monkeypatch.setattr(linear_ops, "KERNEL_MAX_WEIGHT", 3839)
+    monkeypatch.setattr(linear_ops, "KERNEL_MAX_SILU_MUL_WEIGHT", 3840)
+    gm, phs, real = traced(module, torch.randn(3, 48))
+    result = skinny_linears(gm)
+    assert len(result.kept) == 2 and len(result.silu_mul) == 1 and len(result.linears) == 1
+    assert count(gm, LINEAR_TARGETS) == 2 and count(gm, (torch.nn.functional.silu, operator.mul)) == 0
+    assert count(gm, (torch.ops.attngraph.silu_mul_linear.default,)) == 1
+    monkeypatch.setattr(linear_ops, "KERNEL_MAX_SILU_MUL_WEIGHT", 3839)
+    gm, phs, real = traced(module, torch.randn(3, 48))
+    assert len(skinny_linears(gm).kept) == 3
