@@ -25,6 +25,8 @@ def main() -> None:
         result = json.load(f)
     shapes = list(result["weight_read_floor_ms"])
     fig, axes = plt.subplots(1, len(shapes), figsize=(5.5 * len(shapes), 4), squeeze=False)
+    impls = list(dict.fromkeys(r["impl"] for r in result["rows"] if "ms_per_step" in r))
+    colors = {impl: f"C{i}" for i, impl in enumerate(impls)}  # one colour per impl in every panel
     for ax, shape in zip(axes[0], shapes):
         lines: dict[str, list[tuple[int, float]]] = defaultdict(list)
         for r in result["rows"]:
@@ -32,7 +34,7 @@ def main() -> None:
                 lines[r["impl"]].append((r["batch"], r["ms_per_step"]))
         for impl, points in lines.items():
             points.sort()
-            ax.plot([b for b, _ in points], [ms for _, ms in points], marker="o", label=impl)
+            ax.plot([b for b, _ in points], [ms for _, ms in points], marker="o", label=impl, color=colors[impl])
         ax.axhline(result["weight_read_floor_ms"][shape], color="black", linestyle="--", label="weight-read floor")
         ax.set_xscale("log", base=2)
         ax.set_ylim(bottom=0)
