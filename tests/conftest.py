@@ -42,3 +42,17 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def poison_empty():
+    """``torch.empty`` returns NaN-filled tensors for the duration of a test: a value a kernel
+    fails to write shows up as NaN."""
+    was_on = torch.are_deterministic_algorithms_enabled()
+    was_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    was_fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    yield
+    torch.utils.deterministic.fill_uninitialized_memory = was_fill
+    torch.use_deterministic_algorithms(was_on, warn_only=was_warn)

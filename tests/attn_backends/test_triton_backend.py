@@ -53,16 +53,8 @@ TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
 @pytest.fixture(autouse=True)
-def _poison_empty():
-    """``torch.empty`` returns NaN-filled tensors for the duration of a test."""
-    was_on = torch.are_deterministic_algorithms_enabled()
-    was_warn = torch.is_deterministic_algorithms_warn_only_enabled()
-    was_fill = torch.utils.deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    yield
-    torch.utils.deterministic.fill_uninitialized_memory = was_fill
-    torch.use_deterministic_algorithms(was_on, warn_only=was_warn)
+def _poison_empty(poison_empty):
+    """``torch.empty`` returns NaN-filled tensors for the duration of a test (conftest)."""
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -3,7 +3,6 @@ rows' attention output is never written, and no real row reads it."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 import attngraph.ops as ops
@@ -14,14 +13,6 @@ from attngraph.runtime.model_runner import ModelRunner
 from attngraph.runtime.ragged_model import MIN_TOKENS, graph_rows
 
 from ..hf_models import build_model
-
-
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_graph_rows_pads_only_below_the_minimum():
