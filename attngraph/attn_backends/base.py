@@ -267,15 +267,7 @@ class AttentionBackend:
         """
         from ..forward_batch import ForwardMode
 
-        if out is not None:
-            want = (q.shape[0], layer.num_q_heads, layer.v_head_dim)
-            if tuple(out.shape) != want or out.device != q.device:
-                from ..errors import InputError
-
-                raise InputError(
-                    f"out= must be a {list(want)} tensor on {q.device} (the new tokens' attention output), "
-                    f"got {list(out.shape)} on {out.device}"
-                )
+        check_out(out, q, layer)
         if batch.mode is ForwardMode.IDLE:
             res = q.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))
         elif batch.mode is ForwardMode.DECODE and out is not None and self.decode_writes_out and out.is_contiguous():
@@ -311,3 +303,18 @@ class AttentionBackend:
     # ------------------------------------------------------------------ helpers
     def save_kv(self, layer: AttentionLayer, batch: "ForwardBatch", k: torch.Tensor, v: torch.Tensor) -> None:
         batch.kv_pool.write(layer.layer_id, batch.out_cache_loc, k, v)
+
+
+def check_out(out: torch.Tensor | None, q: torch.Tensor, layer: AttentionLayer) -> None:
+    """`InputError` unless ``out`` is None or a ``[T, Hq, Dv]`` tensor on ``q``'s device (checked
+    before a backend writes anything, the pool included)."""
+    if out is None:
+        return
+    want = (q.shape[0], layer.num_q_heads, layer.v_head_dim)
+    if tuple(out.shape) != want or out.device != q.device:
+        from ..errors import InputError
+
+        raise InputError(
+            f"out= must be a {list(want)} tensor on {q.device} (the new tokens' attention output), "
+            f"got {list(out.shape)} on {out.device}"
+        )

@@ -101,7 +101,7 @@ import torch
 
 from ..errors import CaptureError
 from ..forward_batch import ForwardBatch, ForwardMode
-from .base import AttentionBackend, AttentionLayer, BackendCapabilities, GraphSupport
+from .base import AttentionBackend, AttentionLayer, BackendCapabilities, GraphSupport, check_out
 from .triton_ops.decode_attention import check_sinks
 from .triton_ops.paged_metadata import build_paged_kv_metadata, host_paged_kv_lengths
 
@@ -572,6 +572,7 @@ class FlashInferBackend(AttentionBackend):
 
     def forward_decode(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch, save_kv_cache: bool = True, out=None):
         sink_args = _sink_args(layer, q)  # checked before anything is written
+        check_out(out, q, layer)
         if save_kv_cache:
             self.save_kv(layer, batch, k, v)
         if layer.v_head_dim != layer.head_dim:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import BackendUnavailableError
-from .base import AttentionBackend, AttentionLayer, BackendCapabilities, GraphSupport, ModelAttentionSpec
+from .base import AttentionBackend, AttentionLayer, BackendCapabilities, GraphSupport, ModelAttentionSpec, check_out
 from .triton_ops import (
     DEFAULT_MIN_SPLIT_LEN,
     decode_attention_fwd,
@@ -263,6 +263,7 @@ class TritonBackend(AttentionBackend):
         (contiguous ``[B, Hq, Dv]``) when given; ``k: [B, Hkv, D]``, ``v: [B, Hkv, Dv]`` are
         stored at ``batch.out_cache_loc`` with ``save_kv_cache``."""
         self._check_device(q)
+        check_out(out, q, layer)  # before the pool is written
         pool = batch.kv_pool
         bsz = q.shape[0]
         # Not over MLA's latent pool: the kernel does not write a pool whose values are its keys,

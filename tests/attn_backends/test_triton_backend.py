@@ -244,6 +244,17 @@ def test_decode_writes_the_given_out_buffer():
     assert torch.isnan(padded[2]).all()
 
 
+def test_decode_refuses_a_misshapen_out_before_writing_the_pool():
+    pool, batch, q, k, v = make_step([9], [1], hq=4, hkv=2, d=16, page_size=4, dtype=torch.float32,
+                                     mode=ForwardMode.DECODE)  # fmt: skip
+    backend = TritonBackend()
+    backend.init_forward_metadata(batch)
+    before = pool.k_buffers[0].clone()
+    with pytest.raises(InputError, match=r"out= must be a \[1, 4, 16\] tensor"):
+        backend.forward_decode(q, k, v, layer_for(4, 2, 16), batch, out=q.new_empty((1, 4, 8)))
+    torch.testing.assert_close(pool.k_buffers[0], before, rtol=0, atol=0, equal_nan=True)  # nothing stored
+
+
 def test_decode_noncausal_equals_causal():
     pool, batch, q, k, v = make_step([12, 30], [1, 1], hq=4, hkv=2, d=16, page_size=4, dtype=torch.float32)
     backend = TritonBackend(min_split_len=8)
