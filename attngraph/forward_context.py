@@ -20,10 +20,13 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ForwardContext:
-    """``backend``: serves the op. ``batch``: the paged step (None in the stateless, dense form)."""
+    """``backend``: serves the op. ``batch``: the paged step (None in the stateless, dense form).
+    ``num_logits``: how many of the step's logits rows are real, when the caller padded them
+    (a captured decode batch of one runs two rows); None: not known here, every row counts."""
 
     backend: "AttentionBackend"
     batch: "ForwardBatch | None" = None
+    num_logits: int | None = None
 
 
 _state = threading.local()

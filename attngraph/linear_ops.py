@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import InputError
+from .forward_context import get_forward_context
 
 #: Run the kernels on CPU tensors through Triton's interpreter (needs ``TRITON_INTERPRET=1``
 #: set before import and an interpreter that works with this numpy). Off: CPU tensors take
@@ -42,6 +43,23 @@ KERNEL_MAX_WEIGHT = 1 << 24
 #: The SiLU-mul fold pays for the product's own launch too: at 2 rows it beat the product plus
 #: cuBLAS on Llama-3.1-8B's down projection as well (4096 x 14336: 35.8 against 38.5 us).
 KERNEL_MAX_SILU_MUL_WEIGHT = 1 << 26
+#: At one row the GEMV wins on larger weights: Llama-3.1-8B's q/k/v (6144 x 4096 = 3 * 2**23
+#: elements: 14.9 against 17.1 us) and o (10.9 against 12.4); the 1B gate/up (2**25) and the 8B
+#: gate/up stayed cuBLAS's (18.8 against 20.5, 59.3 against 60.2 us).
+KERNEL_MAX_WEIGHT_ONE_ROW = 3 << 23
+#: ... and on output heads (``N >= KERNEL_MIN_HEAD_RATIO * K``, vocabulary projections) of any
+#: size: the LM heads 128256 x 2048 and x 4096 took 125.6 and 246.9 us against cuBLAS's 135.1
+#: and 276.0 (their weight-read floors: 123.1 and 246.2).
+KERNEL_MIN_HEAD_RATIO = 16
+
+#: What the rows of an op's input are, as `passes.skinny_linears` proved it from the symbolic
+#: sizes of the ragged graph (the op's ``rows`` argument): `ANY_ROWS`, every row is computed;
+#: `TOKEN_ROWS`, one row per token of the step (``[1, N, K]``, N the token count);
+#: `LOGIT_ROWS`, one per logits row (``[1, L, K]``); `TOKEN_OR_LOGIT_ROWS`, N and L are one
+#: symbol. Where the step was padded (`ForwardContext`: ``batch.num_tokens`` and
+#: ``num_logits``), only the real rows are computed and the padding rows of the output are left
+#: unwritten: the token-mixing proof of the ragged graph shows no real row reads them.
+ANY_ROWS, TOKEN_ROWS, LOGIT_ROWS, TOKEN_OR_LOGIT_ROWS = 0, 1, 2, 3
 
 
 @functools.lru_cache(maxsize=1)
@@ -70,15 +88,40 @@ def _interpreter_problem() -> str | None:
     return _kernels().interpreter_problem()
 
 
+def real_rows(kind: int, rows: int) -> int:
+    """How many leading rows of an op's ``[rows, K]`` input the step reads (see `ANY_ROWS`)."""
+    if kind not in (ANY_ROWS, TOKEN_ROWS, LOGIT_ROWS, TOKEN_OR_LOGIT_ROWS):
+        raise InputError(f"rows must be one of ANY_ROWS, TOKEN_ROWS, LOGIT_ROWS, TOKEN_OR_LOGIT_ROWS (0-3); got {kind}")
+    if kind == ANY_ROWS:
+        return rows
+    ctx = get_forward_context()
+    if ctx is None or ctx.batch is None:
+        return rows
+    tokens, logits = ctx.batch.num_tokens, ctx.num_logits
+    if kind == TOKEN_ROWS:
+        real = tokens
+    elif kind == LOGIT_ROWS:
+        real = logits
+    else:
+        real = tokens if tokens == logits else None
+    return real if real is not None and 0 < real < rows else rows
+
+
 def _use_kernel(rows: int, k: int, lead: torch.Tensor, weight: torch.Tensor, max_weight: int | None = None) -> bool:
     """Kernel or torch for the ``[rows, K]`` input ``lead`` (x, or a) and ``weight`` (at most
-    ``max_weight`` elements; None: `KERNEL_MAX_WEIGHT`)."""
+    ``max_weight`` elements; None: `KERNEL_MAX_WEIGHT`, or at one row `KERNEL_MAX_WEIGHT_ONE_ROW`
+    and output heads of any size)."""
     if rows == 0 or k == 0 or lead.dtype not in _KERNEL_DTYPES or not weight.is_contiguous():
         return False
     if k > 1 and lead.stride(-1) != 1:
         return False
-    limit = KERNEL_MAX_WEIGHT if max_weight is None else max_weight
-    return _kernel_serves(lead.device) and rows <= KERNEL_MAX_ROWS and weight.numel() <= limit
+    if not (_kernel_serves(lead.device) and rows <= KERNEL_MAX_ROWS):
+        return False
+    if max_weight is not None:
+        return weight.numel() <= max_weight
+    if rows == 1:
+        return weight.numel() <= KERNEL_MAX_WEIGHT_ONE_ROW or weight.shape[0] >= KERNEL_MIN_HEAD_RATIO * k
+    return weight.numel() <= KERNEL_MAX_WEIGHT
 
 
 def _check_linear(what: str, x: torch.Tensor, weight: torch.Tensor, inner: int) -> int:
@@ -117,31 +160,37 @@ def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (F.silu(a.float()) * b.float()).to(a.dtype)
 
 
-def linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, rows: int = ANY_ROWS) -> torch.Tensor:
     """``F.linear(x, weight, bias)``: ``x: [..., K]``, ``weight: [N, K]``, ``bias: [N]`` or None
-    -> ``[..., N]`` (a new tensor), by the skinny Triton kernel where it serves (see the module)."""
+    -> ``[..., N]`` (a new tensor), by the skinny Triton kernel where it serves (see the module).
+    ``rows``: what x's rows are (`ANY_ROWS`...); on the kernel's path a padded step's padding
+    rows of the output are left unwritten."""
     k = x.shape[-1] if x.dim() else 0
     n = _check_linear("linear", x, weight, k)
     _check_bias(bias, n, x)
-    rows = x.numel() // k if k else 0
-    if not _use_kernel(rows, k, x, weight) or (bias is not None and bias.stride(0) != 1 and n > 1):
+    m = x.numel() // k if k else 0
+    real = real_rows(rows, m)
+    if not _use_kernel(real, k, x, weight) or (bias is not None and bias.stride(0) != 1 and n > 1):
         return F.linear(x, weight, bias)
-    # [rows, K]: a view of a row-strided x (unit stride along K kept), a copy when none exists
-    y = _kernels().skinny_linear(x.reshape(rows, k), weight, bias)
+    # [m, K]: a view of a row-strided x (unit stride along K kept), a copy when none exists
+    y = x.new_empty((m, n))
+    _kernels().skinny_linear(x.reshape(m, k)[:real], weight, bias, out=y[:real])
     return y.view(*x.shape[:-1], n)
 
 
-def silu_mul_linear_impl(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def silu_mul_linear_impl(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, rows: int = ANY_ROWS) -> torch.Tensor:
     """``F.linear(silu(a) * b, weight)``: ``a, b: [..., I]`` (e.g. the halves of a fused gate/up
     output), ``weight: [N, I]`` -> ``[..., N]`` (a new tensor). ``silu(a) * b`` is rounded once
-    to the inputs' dtype (`silu_mul`), on both paths."""
+    to the inputs' dtype (`silu_mul`), on both paths. ``rows``: as for `linear_impl`."""
     _check_halves(a, b)
     k = a.shape[-1]
     n = _check_linear("silu_mul_linear", a, weight, k)
-    rows = a.numel() // k if k else 0
-    if not (_use_kernel(rows, k, a, weight, KERNEL_MAX_SILU_MUL_WEIGHT) and (k == 1 or b.stride(-1) == 1)):
+    m = a.numel() // k if k else 0
+    real = real_rows(rows, m)
+    if not (_use_kernel(real, k, a, weight, KERNEL_MAX_SILU_MUL_WEIGHT) and (k == 1 or b.stride(-1) == 1)):
         return F.linear(silu_mul(a, b), weight)
-    y = _kernels().skinny_silu_mul_linear(a.reshape(rows, k), b.reshape(rows, k), weight)
+    y = a.new_empty((m, n))
+    _kernels().skinny_silu_mul_linear(a.reshape(m, k)[:real], b.reshape(m, k)[:real], weight, out=y[:real])
     return y.view(*a.shape[:-1], n)
 
 
@@ -152,14 +201,14 @@ silu_mul_linear.__doc__ = silu_mul_linear_impl.__doc__
 
 
 @linear.register_fake
-def _(x, weight, bias=None):
+def _(x, weight, bias=None, rows=ANY_ROWS):
     n = _check_linear("linear", x, weight, x.shape[-1] if x.dim() else 0)
     _check_bias(bias, n, x)
     return x.new_empty((*x.shape[:-1], n))
 
 
 @silu_mul_linear.register_fake
-def _(a, b, weight):
+def _(a, b, weight, rows=ANY_ROWS):
     _check_halves(a, b)
     n = _check_linear("silu_mul_linear", a, weight, a.shape[-1])
     return a.new_empty((*a.shape[:-1], n))

@@ -60,11 +60,17 @@ TUNED: dict[tuple[int, int, int], dict[str, int]] = {
     (2, 2048, 8192): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=2, SPLIT_K=1),
     (2, 3072, 2048): dict(BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=2, SPLIT_K=1),
     (2, 4096, 4096): dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3, SPLIT_K=1),
+    # one row (a captured batch of one computes its real row only): Llama-3.1-8B's q/k/v and
+    # the LM heads of both, `bench_skinny_gemm.py --quick --rows 1,2,8 --shapes 1b,8b`
+    (1, 6144, 4096): dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3, SPLIT_K=1),
+    (1, 128256, 2048): dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3, SPLIT_K=1),
+    (1, 128256, 4096): dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=2, SPLIT_K=1),
 }
 #: The same for `skinny_silu_mul_linear` (``K`` is the intermediate size).
 TUNED_SILU_MUL: dict[tuple[int, int, int], dict[str, int]] = {
     (1, 2048, 8192): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=2, SPLIT_K=1),
     (2, 2048, 8192): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=2, SPLIT_K=1),
+    (1, 4096, 14336): dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=2, SPLIT_K=1),
 }
 
 _CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K")

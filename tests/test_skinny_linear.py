@@ -406,7 +406,8 @@ def test_ops_fall_back_to_torch(kernel_ops, launches, monkeypatch, case):
 
 
 def test_ops_run_the_kernel_only_where_it_was_measured_faster(device, monkeypatch, launches):
-    """Default limits: at most `KERNEL_MAX_ROWS` rows and `KERNEL_MAX_WEIGHT` weight elements."""
+    """Default limits: at most `KERNEL_MAX_ROWS` rows and `KERNEL_MAX_WEIGHT` weight elements;
+    at one row `KERNEL_MAX_WEIGHT_ONE_ROW`, and output heads (N >= 16 K) of any size."""
     monkeypatch.setattr(linear_ops, "CPU_INTERPRETER", True)
     gen = torch.Generator().manual_seed(24)
     w = rand(gen, 37, 100, dtype=torch.bfloat16, device=device, scale=0.1)
@@ -418,9 +419,22 @@ def test_ops_run_the_kernel_only_where_it_was_measured_faster(device, monkeypatc
         torch.ops.attngraph.silu_mul_linear(gu[:, :100], gu[:, 100:], w)
         assert len(launches) == 2 * want, rows
     monkeypatch.setattr(linear_ops, "KERNEL_MAX_WEIGHT", w.numel() - 1)
+    x2, x1 = rand(gen, 2, 100, dtype=torch.bfloat16, device=device), rand(gen, 1, 100, dtype=torch.bfloat16, device=device)
     launches.clear()
-    x = rand(gen, 1, 100, dtype=torch.bfloat16, device=device)
-    assert torch.equal(torch.ops.attngraph.linear(x, w, None), F.linear(x, w)) and launches == []
+    assert torch.equal(torch.ops.attngraph.linear(x2, w, None), F.linear(x2, w)) and launches == []
+    torch.ops.attngraph.linear(x1, w, None)
+    assert len(launches) == 1
+    monkeypatch.setattr(linear_ops, "KERNEL_MAX_WEIGHT_ONE_ROW", w.numel() - 1)
+    launches.clear()
+    assert torch.equal(torch.ops.attngraph.linear(x1, w, None), F.linear(x1, w)) and launches == []
+    head = rand(gen, linear_ops.KERNEL_MIN_HEAD_RATIO * 8, 8, dtype=torch.bfloat16, device=device, scale=0.1)
+    monkeypatch.setattr(linear_ops, "KERNEL_MAX_WEIGHT", 1)
+    monkeypatch.setattr(linear_ops, "KERNEL_MAX_WEIGHT_ONE_ROW", 1)
+    torch.ops.attngraph.linear(x1[:, :8], head, None)
+    assert len(launches) == 1
+    torch.ops.attngraph.linear(x2[:, :8], head, None)
+    torch.ops.attngraph.linear(x1[:, :8], head[:-1, :], None)  # one output short of a head
+    assert len(launches) == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -438,6 +452,55 @@ def test_silu_mul_alone_is_one_rounding_of_the_fp32_product(device, monkeypatch,
     assert torch.equal(linear_ops.silu_mul(a.reshape(5, 1, 1100), b.reshape(5, 1, 1100)), got.view(5, 1, 1100))
     with pytest.raises(InputError, match="one shape"):
         sl.silu_mul(a, b[:, :10])
+
+
+def _padded_step(tokens: int, logits: int | None):
+    """A forward context of a step with ``tokens`` real token rows and ``logits`` real logits rows."""
+    from types import SimpleNamespace
+
+    from attngraph.forward_context import ForwardContext, use_forward_context
+
+    return use_forward_context(ForwardContext(None, SimpleNamespace(num_tokens=tokens), num_logits=logits))
+
+
+@pytest.mark.parametrize(
+    ("kind", "tokens", "logits", "computed"),
+    [
+        (linear_ops.TOKEN_ROWS, 1, None, 1),
+        (linear_ops.LOGIT_ROWS, 2, 1, 1),
+        (linear_ops.LOGIT_ROWS, 1, None, 2),  # the logits count unknown: every row
+        (linear_ops.TOKEN_OR_LOGIT_ROWS, 1, 1, 1),
+        (linear_ops.TOKEN_OR_LOGIT_ROWS, 1, 2, 2),  # the counts differ: every row
+        (linear_ops.ANY_ROWS, 1, 1, 2),
+    ],
+)
+def test_padded_steps_compute_only_their_real_rows(kernel_ops, launches, kind, tokens, logits, computed):
+    """Two input rows of a step padded past its real rows: the real rows equal the unpadded
+    product exactly, the padding row is left unwritten (NaN from the poisoned allocator)."""
+    device = kernel_ops
+    gen = torch.Generator().manual_seed(27)
+    x = rand(gen, 1, 2, 100, dtype=torch.bfloat16, device=device)
+    w = rand(gen, 37, 100, dtype=torch.bfloat16, device=device, scale=0.1)
+    b = rand(gen, 37, dtype=torch.bfloat16, device=device)
+    gu = rand(gen, 1, 2, 200, dtype=torch.bfloat16, device=device)
+    with _padded_step(tokens, logits):
+        y = torch.ops.attngraph.linear(x, w, b, kind)
+        z = torch.ops.attngraph.silu_mul_linear(gu[..., :100], gu[..., 100:], w, kind)
+    assert len(launches) == 2 and y.shape == z.shape == (1, 2, 37)
+    want_y = sl.skinny_linear(x[0, :computed], w, b)
+    want_z = sl.skinny_silu_mul_linear(gu[0, :computed, :100], gu[0, :computed, 100:], w)
+    assert torch.equal(y[0, :computed], want_y) and torch.equal(z[0, :computed], want_z)
+    assert y[0, computed:].isnan().all() and z[0, computed:].isnan().all()
+
+
+def test_rows_outside_a_paged_step_are_all_computed(kernel_ops):
+    device = kernel_ops
+    gen = torch.Generator().manual_seed(28)
+    x = rand(gen, 2, 64, dtype=torch.bfloat16, device=device)
+    w = rand(gen, 40, 64, dtype=torch.bfloat16, device=device, scale=0.1)
+    assert torch.equal(torch.ops.attngraph.linear(x, w, None, linear_ops.TOKEN_ROWS), sl.skinny_linear(x, w))
+    with pytest.raises(InputError, match="rows must be one of"):
+        torch.ops.attngraph.linear(x, w, None, 7)
 
 
 def test_ops_outputs_are_fresh(kernel_ops):
@@ -467,6 +530,8 @@ def test_opcheck(kernel_ops, monkeypatch, path):
     torch.library.opcheck(torch.ops.attngraph.linear.default, (x, w, b))
     torch.library.opcheck(torch.ops.attngraph.linear.default, (x[0], w, None))
     torch.library.opcheck(torch.ops.attngraph.silu_mul_linear.default, (gu[:, :64], gu[:, 64:], w))
+    torch.library.opcheck(torch.ops.attngraph.linear.default, (x, w, b, linear_ops.TOKEN_ROWS))
+    torch.library.opcheck(torch.ops.attngraph.silu_mul_linear.default, (gu[:, :64], gu[:, 64:], w, linear_ops.LOGIT_ROWS))
 
 
 def test_fake_impls_give_shapes():

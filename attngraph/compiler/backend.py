@@ -136,7 +136,7 @@ class AttnGraphBackend:
             graph = fx.Graph()
             graph.output(graph.graph_copy(gm.graph, {}))
             gm = fx.GraphModule(gm, graph)
-        self.skinny_results.append(skinny_linears(gm))
+        self.skinny_results.append(skinny_linears(gm, token_inputs=self.token_inputs, row_index_inputs=self.row_index_inputs))
         return gm
 
     def _token_mixing(self, gm: fx.GraphModule) -> list[TokenMixingOp]:

@@ -30,7 +30,9 @@ from __future__ import annotations
 import logging
 import operator
 from dataclasses import dataclass, field
+from typing import Iterable
 
+import sympy
 import torch
 from torch import fx
 
@@ -46,9 +48,11 @@ MUL_TARGETS = (operator.mul, torch.mul, torch.ops.aten.mul.Tensor)
 class SkinnyResult:
     """``linears``: names of the linears now calling ``attngraph.linear``; ``silu_mul``: of
     those calling ``attngraph.silu_mul_linear``; ``kept``: left to cuBLAS for their weight's
-    size; ``refused``: (name, reason)."""
+    size; ``refused``: (name, reason); ``rows``: name -> the ops' ``rows`` argument
+    (`linear_ops.ANY_ROWS`, ``TOKEN_ROWS``, ``LOGIT_ROWS`` or ``TOKEN_OR_LOGIT_ROWS``)."""
 
     linears: list[str] = field(default_factory=list)
+    rows: dict[str, int] = field(default_factory=dict)
     kept: list[str] = field(default_factory=list)
     silu_mul: list[str] = field(default_factory=list)
     refused: list[tuple[str, str]] = field(default_factory=list)
@@ -88,18 +92,69 @@ def _fits(weight: torch.Tensor, max_weight: int | None) -> bool:
     return isinstance(numel, int) and numel <= max_weight  # a symbolic size: not a weight
 
 
-def skinny_linears(gm: fx.GraphModule, fold_silu_mul: bool = True, max_weight: int | None = -1) -> SkinnyResult:
+def _axis_symbols(gm: fx.GraphModule, names: Iterable[str]) -> set:
+    """Free symbols of the sizes of the placeholders whose names contain one of ``names``."""
+    names = tuple(names)
+    out: set = set()
+    for ph in gm.graph.find_nodes(op="placeholder"):
+        val = ph.meta.get("example_value")
+        if isinstance(val, torch.Tensor) and any(n in ph.name for n in names):
+            for size in val.shape:
+                if isinstance(size, torch.SymInt):
+                    out |= set(size.node.expr.free_symbols)
+    return out
+
+
+def rows_kind(x: fx.Node, token_symbols: set, logit_symbols: set) -> int:
+    """What the rows of the linear input ``x`` are (`linear_ops.ANY_ROWS`...): token or logits
+    rows when the product of its leading sizes is exactly one token-count or logits-count
+    symbol (``[1, N, K]``, ``[N, K]``); anything else (a constant, ``2 * N`` rows, an MoE
+    expert's gathered rows of data-dependent count) computes every row."""
+    from .. import linear_ops
+
+    val = x.meta.get("example_value")
+    if not isinstance(val, torch.Tensor) or val.dim() < 2:
+        return linear_ops.ANY_ROWS
+    sym = None
+    for size in val.shape[:-1]:
+        if isinstance(size, torch.SymInt):
+            expr = size.node.expr
+            if sym is not None or not isinstance(expr, sympy.Symbol):
+                return linear_ops.ANY_ROWS
+            sym = expr
+        elif int(size) != 1:
+            return linear_ops.ANY_ROWS
+    tokens, logits = sym in token_symbols, sym in logit_symbols
+    if tokens and logits:
+        return linear_ops.TOKEN_OR_LOGIT_ROWS
+    return linear_ops.TOKEN_ROWS if tokens else linear_ops.LOGIT_ROWS if logits else linear_ops.ANY_ROWS
+
+
+def skinny_linears(
+    gm: fx.GraphModule,
+    fold_silu_mul: bool = True,
+    max_weight: int | None = -1,
+    token_inputs: Iterable[str] = (),
+    row_index_inputs: Iterable[str] = (),
+) -> SkinnyResult:
     """Rewrite ``gm``'s linears (module docstring). Mutates ``gm``; returns what it did.
 
     ``max_weight``: linears whose weight holds more elements stay as they are (the ops would
     run cuBLAS for them at any row count; a gated MLP's product stays inductor's to fuse).
     ``-1``: `linear_ops.KERNEL_MAX_WEIGHT`, and `linear_ops.KERNEL_MAX_SILU_MUL_WEIGHT` for a
-    linear that folds SiLU * up; None: every linear."""
+    linear that folds SiLU * up; None: every linear.
+
+    ``token_inputs`` / ``row_index_inputs``: substrings of the placeholder names whose symbolic
+    sizes are the token count (``input_ids: [1, N]``) / the logits count (``logits_indices:
+    [L]``) of a ragged graph. A linear whose rows are exactly those tokens or logits rows gets
+    the op's ``rows`` argument (`rows_kind`, `SkinnyResult.rows`), so that a padded step
+    computes its real rows only. Empty: every op computes every row."""
     from .. import linear_ops  # registers torch.ops.attngraph.linear / silu_mul_linear
 
     max_silu_mul = max_weight
     if max_weight == -1:
         max_weight, max_silu_mul = linear_ops.KERNEL_MAX_WEIGHT, linear_ops.KERNEL_MAX_SILU_MUL_WEIGHT
+    token_symbols, logit_symbols = _axis_symbols(gm, token_inputs), _axis_symbols(gm, row_index_inputs)
 
     result = SkinnyResult()
     graph = gm.graph
@@ -122,15 +177,17 @@ def skinny_linears(gm: fx.GraphModule, fold_silu_mul: bool = True, max_weight: i
             result.kept.append(node.name)
             continue
         folded: list[fx.Node] = []
+        kind = rows_kind(x, token_symbols, logit_symbols)
+        result.rows[node.name] = kind
         with graph.inserting_before(node):
             if operands is not None:
                 gate, up = operands
                 a, b_up = _behind_contiguous(gate), _behind_contiguous(up)
-                new = graph.call_function(torch.ops.attngraph.silu_mul_linear.default, (a, b_up, w))
+                new = graph.call_function(torch.ops.attngraph.silu_mul_linear.default, (a, b_up, w, kind))
                 folded = [x, x.args[0] if x.args[0] is not up else x.args[1], gate, up]  # mul, silu, copies
                 result.silu_mul.append(node.name)
             else:
-                new = graph.call_function(torch.ops.attngraph.linear.default, (x, w, b))
+                new = graph.call_function(torch.ops.attngraph.linear.default, (x, w, b, kind))
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         graph.erase_node(node)

@@ -92,8 +92,9 @@ class DecodeGraphRunner:
     def _step(self, batch: ForwardBatch) -> torch.Tensor:
         bs = batch.batch_size
         self.backend.init_forward_metadata_in_graph(batch)
-        with use_forward_context(ForwardContext(self.backend, batch)):
-            rows = graph_rows(bs)  # bs = 1: one padding row, already in the static buffers
+        # bs = 1: one padding row, already in the static buffers; its logits row is not read
+        with use_forward_context(ForwardContext(self.backend, batch, num_logits=bs)):
+            rows = graph_rows(bs)
             return self.runner.ragged(self.input_ids[:rows], self.positions[:rows], self.logits_indices[:rows])[:bs]
 
     def capture(self, progress=None, stream: "torch.cuda.Stream | None" = None) -> None:

@@ -134,7 +134,7 @@ class MultiStepDecodeGraphs:
         for j, batch in enumerate(batches):
             self.backend.init_forward_metadata_in_graph(batch)
             ids = self.first_ids[:rows] if j == 0 else self.tokens[j - 1, :rows]
-            with use_forward_context(ForwardContext(self.backend, batch)):
+            with use_forward_context(ForwardContext(self.backend, batch, num_logits=bs)):
                 logits = self.runner.ragged(ids, self._longs[0, j, :rows], self.logits_indices[:rows])[:bs]
             torch.argmax(logits.float(), dim=-1, out=self.tokens[j, :bs])
         return self.tokens[: len(batches), :bs]

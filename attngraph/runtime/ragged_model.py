@@ -12,6 +12,7 @@ let HF skip a sliding-window mask, hiding the window from the passes).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import types
@@ -23,6 +24,7 @@ from ..compiler.ragged_check import ROW_INDEX_INPUTS, TOKEN_INPUTS
 from ..compiler.model_checks import check_attn_implementation
 from ..config import CompileConfig
 from ..errors import AttnGraphError, UnsupportedGenerationError, UnsupportedModelError
+from ..forward_context import get_forward_context, use_forward_context
 from ..passes.site import AttentionSite
 
 logger = logging.getLogger(__name__)
@@ -145,8 +147,11 @@ class RaggedModel:
         torch._dynamo.mark_dynamic(ids, 1)
         torch._dynamo.mark_dynamic(pos, 1)
         torch._dynamo.mark_dynamic(logits_indices, 0)
+        ctx = get_forward_context()
+        if ctx is not None and n_logits < logits_indices.shape[0] and ctx.num_logits is None:
+            ctx = dataclasses.replace(ctx, num_logits=n_logits)  # the padded logits rows are not read
         try:
-            with torch.no_grad():
+            with torch.no_grad(), use_forward_context(ctx):
                 logits = self._compiled(ids, pos, logits_indices)
         except torch._dynamo.exc.BackendCompilerFailed as exc:
             inner = getattr(exc, "inner_exception", None)

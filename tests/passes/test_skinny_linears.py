@@ -6,10 +6,11 @@ import operator
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-import attngraph.linear_ops  # noqa: F401  (the ops the pass calls)
+from attngraph import linear_ops  # the ops the pass calls
 from attngraph.passes.fuse_linears import LINEAR_TARGETS, fuse_linears
 from attngraph.passes.skinny_linears import skinny_linears
 
@@ -154,6 +155,9 @@ def test_accelerated_generate_with_the_rewrite_equals_hf(arch, impl):
     assert torch.equal(got, want)
     results = state_of(model).runner.ragged.backend.skinny_results
     assert results and sum(len(r.linears) for r in results) >= 2 * model.config.num_hidden_layers
+    for r in results:  # the LM head reads logits rows, every other linear token rows
+        kinds = {name: kind for name, kind in r.rows.items() if name != "logits"}
+        assert r.rows["logits"] == linear_ops.LOGIT_ROWS and set(kinds.values()) == {linear_ops.TOKEN_ROWS}
     if arch != "gpt_oss":  # its experts are batched matmuls, not linears
         assert sum(len(r.silu_mul) for r in results) == model.config.num_hidden_layers
 
@@ -185,3 +189,54 @@ def test_the_default_limits_let_a_folding_down_projection_past_the_plain_limit(m
     monkeypatch.setattr(linear_ops, "KERNEL_MAX_SILU_MUL_WEIGHT", 3839)
     gm, phs, real = traced(module, torch.randn(3, 48))
     assert len(skinny_linears(gm).kept) == 3
+
+
+def _rows_graph(n_tokens: int, n_logits: int):
+    """Dynamo's graph of linears over token rows, logits rows, twice the token rows, an
+    expert's gathered rows and a constant slice, with N, L and the expert's count dynamic."""
+    torch.manual_seed(5)
+    emb, w = torch.randn(50, 16), torch.randn(8, 16)
+
+    def f(input_ids, logits_indices, expert_rows):
+        h = emb[input_ids]  # [1, N, 16]
+        return (
+            F.linear(h, w),  # [1, N, 8]: token rows
+            F.linear(h[:, logits_indices], w),  # [1, L, 8]: logits rows
+            F.linear(torch.cat([h, h], 1), w),  # [1, 2N, 8]
+            F.linear(h[0, expert_rows], w),  # [E, 8]: another count
+            F.linear(h[0, :1], w),  # [1, 8]: a constant
+        )
+
+    captured = []
+
+    def capture(gm, example_inputs):
+        captured.append((gm, list(example_inputs)))
+        return gm
+
+    ids = torch.randint(0, 50, (1, n_tokens))
+    logits, expert = torch.arange(n_logits), torch.tensor([0, 1, 1, 0, 1, 0, 1][: n_tokens + 2]) % n_tokens
+    torch._dynamo.reset()
+    for t, dim in ((ids, 1), (logits, 0), (expert, 0)):
+        torch._dynamo.mark_dynamic(t, dim)
+    torch.compile(f, backend=capture, fullgraph=True)(ids, logits, expert)
+    gm, example = captured[0]
+    return gm, example, f(ids, logits, expert)
+
+
+@pytest.mark.parametrize("n_tokens,n_logits", [(5, 2), (4, 4)])
+def test_rows_kind_follows_the_token_and_logits_symbols(n_tokens, n_logits):
+    """Token and logits rows are told by their sizes' symbols (distinct ones also for equal
+    sizes); every other row count computes every row."""
+    gm, example, want = _rows_graph(n_tokens, n_logits)
+    result = skinny_linears(gm, max_weight=None, token_inputs=("input_ids",), row_index_inputs=("logits_indices",))
+    kinds = [n.args[3] for n in gm.graph.nodes if n.op == "call_function" and n.target in LINEAR]
+    assert kinds == [linear_ops.TOKEN_ROWS, linear_ops.LOGIT_ROWS] + [linear_ops.ANY_ROWS] * 3
+    assert list(result.rows.values()) == kinds
+    for got, expected in zip(gm(*example), want, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_without_the_input_names_every_linear_computes_every_row():
+    gm, _, _ = _rows_graph(5, 2)
+    result = skinny_linears(gm, max_weight=None)
+    assert set(result.rows.values()) == {linear_ops.ANY_ROWS} and len(result.rows) == 5
