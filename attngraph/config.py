@@ -23,8 +23,8 @@ def default_capture_sizes() -> tuple[int, ...]:
 #: left at None). ``combo_kernels``: independent pointwise kernels of one graph run as one
 #: launch; in a decode step that is each layer's RoPE of q, RoPE of k and the copy of v out of
 #: the fused q/k/v projection (H200, Llama-3.2-1B shape, batch 1: 243 -> 212 kernels, 1.111 ->
-#: 1.081 ms of kernel time per step). ``triton.enable_pdl`` and ``coordinate_descent_tuning``
-#: changed nothing measurable there and are left off.
+#: 1.081 ms of kernel time per step). ``coordinate_descent_tuning`` changed nothing measurable
+#: there and is left off. ``triton.enable_pdl`` is added where `pdl.inductor_options` says.
 CUDA_INDUCTOR_OPTIONS: dict[str, Any] = {"combo_kernels": True}
 
 #: Inductor options added for the compiles of exact token counts (``exact_token_counts``):
@@ -104,8 +104,9 @@ class CompileConfig:
         ``"auto"`` (inductor on CUDA, eager on CPU).
     inductor_options:
         Settings of ``torch._inductor.config`` (dotted names, e.g. ``{"combo_kernels": False}``)
-        applied to attngraph's inductor compiles only. ``None``: `CUDA_INDUCTOR_OPTIONS` on CUDA,
-        inductor's own defaults elsewhere; ``{}``: inductor's defaults everywhere.
+        applied to attngraph's inductor compiles only. ``None``: `CUDA_INDUCTOR_OPTIONS` on CUDA
+        (and inductor's PDL, `pdl.inductor_options`), inductor's own defaults elsewhere; ``{}``:
+        inductor's defaults everywhere.
     exact_token_counts:
         Token counts whose steps run graph pieces compiled for exactly that many tokens
         (`compiler.specialize`, with `EXACT_INDUCTOR_OPTIONS`), compiled at their first use
@@ -262,7 +263,11 @@ class CompileConfig:
     def resolved_inductor_options(self, device_type: str) -> dict[str, Any]:
         """The inductor settings for graphs on ``device_type`` (see ``inductor_options``)."""
         if self.inductor_options is None:
-            return dict(CUDA_INDUCTOR_OPTIONS) if device_type == "cuda" else {}
+            if device_type != "cuda":
+                return {}
+            from . import pdl
+
+            return {**CUDA_INDUCTOR_OPTIONS, **pdl.inductor_options()}
         return dict(self.inductor_options)
 
     def resolved_exact_token_counts(self, device_type: str) -> tuple[int, ...]:

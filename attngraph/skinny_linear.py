@@ -16,6 +16,8 @@ in one launch and uses each weight tile for every row:
   split order (deterministic), writes the output and puts the counter back to zero: one launch.
 
 ``ROWS`` is ``M`` padded to a power of two (a constexpr: 1, 2, 4 and 8 compile separately).
+Launched with programmatic dependent launch where `attngraph.pdl` allows it: a program loads
+its first weight chunk, then waits for the kernel before (whose output ``x`` is) to finish.
 `skinny_silu_mul_linear` fuses the MLP's ``silu(gate) * up`` into the loads of ``x``.
 """
 
@@ -27,8 +29,14 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .attn_backends.triton_ops.decode_attention import interpreter_problem, interpreting
 from .errors import InputError
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without PDL: pdl.enabled is False, the USE_PDL code never compiles
+    gdc_launch_dependents = gdc_wait = None
 
 __all__ = [
     "MAX_ROWS",
@@ -92,12 +100,26 @@ def _round(v, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
 
 
 @triton.jit
+def _rows_chunk(x_rows, x2_rows, offs_k, mask_x, SILU_MUL: tl.constexpr, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """The ``[ROWS, BLOCK_K]`` chunk of ``h`` (x, or silu(x) * x2 rounded to ``DTYPE``) in fp32."""
+    x = tl.load(x_rows + offs_k[None, :], mask=mask_x, other=0.0)  # [ROWS, BLOCK_K]
+    if SILU_MUL:
+        g = x.to(tl.float32)
+        u = tl.load(x2_rows + offs_k[None, :], mask=mask_x, other=0.0).to(tl.float32)
+        # rounded once to the inputs' dtype, as an inductor-fused silu(g) * u feeding a GEMM
+        h = _round(g / (1.0 + tl.exp(-g)) * u, DTYPE, SOFT_BF16).to(tl.float32)
+    else:
+        h = x.to(tl.float32)
+    return h
+
+
+@triton.jit
 def _skinny_linear_kernel(
     X, X2, W, Bias, Y, Part, Counters,
     M, N, K, k_per_split,
     stride_xm, stride_x2m, stride_wn, stride_ym,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, SOFT_BF16: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, SOFT_BF16: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """``Y[:M] = h @ W^T (+ Bias)`` with ``h = X`` or, with ``SILU_MUL``, ``h = silu(X) * X2``
     (fp32, rounded to X's dtype). X, X2: ``[M, K]`` rows ``stride_xm`` / ``stride_x2m`` apart;
@@ -123,21 +145,28 @@ def _skinny_linear_kernel(
         k_lo = tl.program_id(1) * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    k_first = k_lo
+    if USE_PDL:
+        # The weight is no earlier kernel's output: its first chunk loads while the kernel
+        # before finishes; x only after gdc_wait (see attngraph.pdl).
+        offs_k = k_lo + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < k_hi
+        w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                    eviction_policy="evict_first")  # fmt: skip
+        gdc_wait()
+        gdc_launch_dependents()
+        mask_x = mask_m[:, None] & mask_k[None, :]
+        h = _rows_chunk(x_rows, x2_rows, offs_k, mask_x, SILU_MUL, X.dtype.element_ty, SOFT_BF16)
+        acc += h[:, None, :] * w.to(tl.float32)[None, :, :]
+        k_first = k_lo + BLOCK_K
+    for k0 in range(k_first, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
         mask_k = offs_k < K
         # read once per launch: do not let the weight push x (and the next kernels' data) out of L2
         w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
                     eviction_policy="evict_first")  # fmt: skip
         mask_x = mask_m[:, None] & mask_k[None, :]
-        x = tl.load(x_rows + offs_k[None, :], mask=mask_x, other=0.0)  # [ROWS, BLOCK_K]
-        if SILU_MUL:
-            g = x.to(tl.float32)
-            u = tl.load(x2_rows + offs_k[None, :], mask=mask_x, other=0.0).to(tl.float32)
-            # rounded once to the inputs' dtype, as an inductor-fused silu(g) * u feeding a GEMM
-            h = _round(g / (1.0 + tl.exp(-g)) * u, X.dtype.element_ty, SOFT_BF16).to(tl.float32)
-        else:
-            h = x.to(tl.float32)
+        h = _rows_chunk(x_rows, x2_rows, offs_k, mask_x, SILU_MUL, X.dtype.element_ty, SOFT_BF16)
         acc += h[:, None, :] * w.to(tl.float32)[None, :, :]  # [ROWS, BLOCK_N, BLOCK_K]
     res = tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
     y_ptrs = Y + rows[:, None] * stride_ym + offs_n[None, :]
@@ -314,6 +343,8 @@ def _launch(x, x2, weight, bias, out, config, silu_mul: bool) -> torch.Tensor:
         else:
             part = torch.empty((split_k, rows_padded(m), n), dtype=torch.float32, device=x.device)
     x2 = x2 if x2 is not None else x  # the kernel reads it with SILU_MUL only
+    use_pdl = pdl.enabled(x.device)
+    launch_kwargs = {"launch_pdl": True} if use_pdl else {}
     # Triton launches on the current device
     guard = torch.cuda.device(x.device) if x.is_cuda and x.device.index != torch.cuda.current_device() else nullcontext()
     with guard:
@@ -322,7 +353,7 @@ def _launch(x, x2, weight, bias, out, config, silu_mul: bool) -> torch.Tensor:
             m, n, k, k_per_split, x.stride(0), x2.stride(0), weight.stride(0), out.stride(0),
             ROWS=rows_padded(m), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
             HAS_BIAS=bias is not None, SILU_MUL=silu_mul, SOFT_BF16=x.dtype == torch.bfloat16 and interpreting(),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            USE_PDL=use_pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs,
         )  # fmt: skip
     return out
 

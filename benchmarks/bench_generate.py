@@ -13,6 +13,8 @@ choice on the row's own prefix).
         --hf-static --out benchmarks/results/generate.json
     python benchmarks/bench_generate.py --shapes 1b --batches 1,16 --backends triton \
         --loops chunks,steps --skinny on,off   # the decoding loops and the GEMV side by side
+    python benchmarks/bench_generate.py --shapes 1b,8b --batches 1,16 --backends triton \
+        --pdl on,ours,off   # programmatic dependent launch: all kernels, attngraph's only, none
     python benchmarks/plot_generate.py benchmarks/results/generate.json --png benchmarks/generate.png
 """
 
@@ -28,6 +30,10 @@ import torch
 import transformers
 
 import attngraph
+import attngraph.pdl
+from attngraph import linear_ops
+
+ONE_ROW_DEFAULT = linear_ops.KERNEL_MAX_WEIGHT_ONE_ROW
 
 
 def llama_1b(layers: int) -> transformers.LlamaConfig:
@@ -83,6 +89,9 @@ class _KeepScores(transformers.LogitsProcessor):
         return scores
 
 
+#: ``--pdl``: what each setting adds to the label.
+PDL_LABELS = {"on": "", "ours": " pdl=attngraph kernels only", "off": " pdl=off"}
+
 #: ``--loops``: generate keywords per decoding loop.
 LOOPS = {"chunks": {}, "steps": {"logits_processor": transformers.LogitsProcessorList([_KeepScores()])}}
 
@@ -133,6 +142,12 @@ def main() -> None:
                    help="attngraph's decoding loop: chunks (multi-step graphs: greedy without processors) and/or "
                         "steps (a step at a time, as with any logits processor), comma-separated")  # fmt: skip
     p.add_argument("--skinny", default="on", help="CompileConfig.skinny_linears: on (the default on CUDA) and/or off, comma-separated")
+    p.add_argument("--pdl", default="on",
+                   help="programmatic dependent launch (attngraph.pdl): on (attngraph's kernels and inductor's), ours "
+                        "(attngraph's kernels only) and/or off, comma-separated")  # fmt: skip
+    p.add_argument("--one-row-limit", default="default",
+                   help="linear_ops.KERNEL_MAX_WEIGHT_ONE_ROW: the largest weight (elements) the GEMV takes at one row, "
+                        "comma-separated values (default: the module's)")  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -170,9 +185,14 @@ def main() -> None:
                     except Exception as exc:
                         add("HF static cache + torch.compile", b, error=f"{type(exc).__name__}: {exc}"[:500])
                     torch._dynamo.reset()
-        variants = [(name, skinny) for name in args.backends.split(",") if name for skinny in args.skinny.split(",")]
-        for name, skinny in variants:
-            label = f"attngraph[{name}]" + ("" if skinny == "on" else " skinny_linears=False")
+        variants = [(name, skinny, pdl, limit) for name in args.backends.split(",") if name
+                    for skinny in args.skinny.split(",") for pdl in args.pdl.split(",")
+                    for limit in args.one_row_limit.split(",")]  # fmt: skip
+        for name, skinny, pdl, limit in variants:
+            label = f"attngraph[{name}]" + ("" if skinny == "on" else " skinny_linears=False") + PDL_LABELS[pdl]
+            label += "" if limit == "default" else f" one-row GEMV <= {limit}"
+            attngraph.pdl.ENABLED, attngraph.pdl.INDUCTOR = pdl != "off", pdl == "on"  # read at compile and capture
+            linear_ops.KERNEL_MAX_WEIGHT_ONE_ROW = ONE_ROW_DEFAULT if limit == "default" else int(limit)
             m = copy.deepcopy(model)
             t0 = time.perf_counter()
             try:

@@ -14,10 +14,18 @@ def _graph() -> fx.GraphModule:
     return fx.symbolic_trace(lambda x: torch.sin(x) + 1)
 
 
-def test_defaults_per_device_and_overrides():
+def test_defaults_per_device_and_overrides(monkeypatch):
+    from attngraph import pdl
+
     cfg = CompileConfig()
+    monkeypatch.setattr(pdl, "ENABLED", False)
     assert cfg.resolved_inductor_options("cuda") == CUDA_INDUCTOR_OPTIONS
     assert cfg.resolved_inductor_options("cuda") is not CUDA_INDUCTOR_OPTIONS  # a copy
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    has_pdl = hasattr(torch._inductor.config.triton, "enable_pdl")
+    assert cfg.resolved_inductor_options("cuda") == {**CUDA_INDUCTOR_OPTIONS, **({"triton.enable_pdl": True} if has_pdl else {})}
+    monkeypatch.setattr(pdl, "INDUCTOR", False)
+    assert cfg.resolved_inductor_options("cuda") == CUDA_INDUCTOR_OPTIONS
     assert cfg.resolved_inductor_options("cpu") == {}
     off = CompileConfig(inductor_options={"combo_kernels": False, "triton.cudagraphs": False})
     assert off.resolved_inductor_options("cuda") == {"combo_kernels": False, "triton.cudagraphs": False}

@@ -40,7 +40,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ... import pdl
 from ...errors import InputError
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without PDL: pdl.enabled is False, the USE_PDL code never compiles
+    gdc_launch_dependents = gdc_wait = None
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +164,55 @@ def _merge_split(m, l, acc, lse, o):
     return m_new, l * alpha + w, acc * alpha[:, None] + o * w[:, None]
 
 
+@triton.jit
+def _load_block(K, V, ReqToPage, row, stride_rtp, stride_ks, stride_kh, stride_vs, stride_vh, kvh,
+                pos, mask_kv, offs_d, mask_d, offs_dt, mask_dt, offs_dv, mask_dv,
+                PAGE_SIZE: tl.constexpr, HAS_TAIL: tl.constexpr):  # fmt: skip
+    """The pool's keys ``kt: [BLOCK_D, BLOCK_N]`` (and ``kt_tail: [BLOCK_DT, BLOCK_N]``) and values
+    ``v: [BLOCK_N, BLOCK_DV]`` of KV head ``kvh`` at key positions ``pos`` (zeros off ``mask_kv``)."""
+    page = tl.load(ReqToPage + row * stride_rtp + pos // PAGE_SIZE, mask=mask_kv, other=0)
+    slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE  # [BLOCK_N] rows of the flat pool
+    k_ptrs = K + slot[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None]
+    kt = tl.load(k_ptrs, mask=mask_d[:, None] & mask_kv[None, :], other=0.0)
+    kt_tail = kt
+    if HAS_TAIL:
+        kt_ptrs = K + slot[None, :] * stride_ks + kvh * stride_kh + offs_dt[:, None]
+        kt_tail = tl.load(kt_ptrs, mask=mask_dt[:, None] & mask_kv[None, :], other=0.0)
+    v_ptrs = V + slot[:, None] * stride_vs + kvh * stride_vh + offs_dv[None, :]
+    v = tl.load(v_ptrs, mask=mask_kv[:, None] & mask_dv[None, :], other=0.0)
+    return kt, kt_tail, v
+
+
+@triton.jit
+def _attend_block(q, q_tail, kt, kt_tail, v, k_new, k_new_tail, v_new, m_i, l_i, acc, pos, mask_n, seq_len,
+                  slope, scale, logit_cap, UPCAST: tl.constexpr, PRECISION: tl.constexpr, HAS_TAIL: tl.constexpr,
+                  HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, NEW_KV: tl.constexpr):  # fmt: skip
+    """One block of keys folded into the running softmax ``m_i, l_i: [BLOCK_H]`` (log2 units) and
+    ``acc: [BLOCK_H, BLOCK_DV]``; with ``NEW_KV`` the new token's K/V stand at ``seq_len - 1``.
+    Needs at least one valid key in the block (``m_new`` is then finite)."""
+    if NEW_KV:
+        is_new = pos == seq_len - 1
+        kt = tl.where(is_new[None, :], k_new[:, None], kt)
+        v = tl.where(is_new[:, None], v_new[None, :], v)
+    s = _dot(q, kt.to(q.dtype), UPCAST, PRECISION)  # [BLOCK_H, BLOCK_N]
+    if HAS_TAIL:
+        if NEW_KV:
+            kt_tail = tl.where(is_new[None, :], k_new_tail[:, None], kt_tail)
+        s += _dot(q_tail, kt_tail.to(q.dtype), UPCAST, PRECISION)
+    s = s * scale
+    if HAS_CAP:
+        s = _softcap(s, logit_cap)
+    if HAS_ALIBI:  # slope * (key position - query position); the query sits at seq_len - 1
+        s = s + slope[:, None] * (pos - (seq_len - 1)).to(tl.float32)[None, :]
+    s = tl.where(mask_n[None, :], s * _LOG2E, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), UPCAST, PRECISION)
+    return m_new, l_i, acc
+
+
 # Values that change with the batch size (``max_splits`` and the partial LSE's head stride) are
 # not specialized: Triton would compile a variant per divisibility class (1, multiple of 16,
 # other), paid again by every fresh process for the captures of the decode graphs.
@@ -173,8 +228,17 @@ def _decode_stage1_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_CAP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HEAD_BLOCKS: tl.constexpr, BLOCK_DT: tl.constexpr, HAS_TAIL: tl.constexpr,
-    NEW_KV: tl.constexpr, MERGE: tl.constexpr, HAS_SINKS: tl.constexpr,
+    NEW_KV: tl.constexpr, MERGE: tl.constexpr, HAS_SINKS: tl.constexpr, USE_PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):  # fmt: skip
+    # PDL (attngraph.pdl): the kernel may start before the one producing q (and k_new / v_new)
+    # has finished. Only that kernel's outputs are unsafe before gdc_wait: the page table, the
+    # lengths and the pool's keys before seq_len - 1 were written by earlier kernels, and with
+    # NEW_KV no kernel but this one writes the pool, so (PREFETCH = USE_PDL and NEW_KV) the
+    # first block of keys loads first.
+    if USE_PDL and not PREFETCH:
+        gdc_wait()
+        gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1) // HEAD_BLOCKS  # the KV head, and which BLOCK_H of its group's query heads
     hb = tl.program_id(1) % HEAD_BLOCKS
@@ -190,6 +254,20 @@ def _decode_stage1_kernel(
     mask_dt = offs_dt < HEAD_DIM
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < V_HEAD_DIM
+    start = kv_lo + sid * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    row = tl.load(ReqIdx + b).to(tl.int64)
+    if PREFETCH:  # the first block's pool keys and values (none past end: a split without keys)
+        pos0 = start + tl.arange(0, BLOCK_N)
+        mask0 = (pos0 < end) & (pos0 != seq_len - 1)
+        kt0, kt0_tail, v0 = _load_block(K, V, ReqToPage, row, stride_rtp, stride_ks, stride_kh, stride_vs, stride_vh,
+                                        kvh, pos0, mask0, offs_d, mask_d, offs_dt, mask_dt, offs_dv, mask_dv,
+                                        PAGE_SIZE, HAS_TAIL)  # fmt: skip
+        gdc_wait()
+        gdc_launch_dependents()
+    k_new = offs_d  # placeholders without NEW_KV (never read)
+    k_new_tail = offs_dt
+    v_new = offs_dv
     if NEW_KV:
         # The new token's K/V rows of this KV head in the pool's dtype ([BLOCK_D], [BLOCK_DT],
         # [BLOCK_DV]). One program per (request, KV head) stores them; every program uses them
@@ -212,61 +290,42 @@ def _decode_stage1_kernel(
         runs = tl.maximum(num_splits, 1)
     if sid >= runs:
         return
-    start = kv_lo + sid * split_len
-    end = tl.minimum(start + split_len, seq_len)
-    row = tl.load(ReqIdx + b).to(tl.int64)
 
     offs_g = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_g < GROUP
     heads = kvh * GROUP + offs_g  # [BLOCK_H] query heads of this KV head
     q_ptrs = Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+    q_tail = q
     if HAS_TAIL:
         qt_ptrs = Q + b * stride_qb + heads[:, None] * stride_qh + offs_dt[None, :]
         q_tail = tl.load(qt_ptrs, mask=mask_h[:, None] & mask_dt[None, :], other=0.0)  # [BLOCK_H, BLOCK_DT]
+    slope = tl.zeros([BLOCK_H], tl.float32)
     if HAS_ALIBI:  # [BLOCK_H] slopes of the group's query heads
         slope = tl.load(Slopes + heads, mask=mask_h, other=0.0).to(tl.float32)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
+    first = start
+    if PREFETCH:
+        if start < end:
+            m_i, l_i, acc = _attend_block(q, q_tail, kt0, kt0_tail, v0, k_new, k_new_tail, v_new, m_i, l_i, acc,
+                                          pos0, pos0 < end, seq_len, slope, scale, logit_cap, UPCAST, PRECISION,
+                                          HAS_TAIL, HAS_CAP, HAS_ALIBI, NEW_KV)  # fmt: skip
+        first = start + BLOCK_N
+    for n0 in range(first, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
         mask_n = pos < end
-        is_new = pos == seq_len - 1
         mask_kv = mask_n  # positions read from the pool
         if NEW_KV:
             mask_kv = mask_n & (pos != seq_len - 1)
-        page = tl.load(ReqToPage + row * stride_rtp + pos // PAGE_SIZE, mask=mask_kv, other=0)
-        slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE  # [BLOCK_N] rows of the flat pool
-        k_ptrs = K + slot[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None]
-        kt = tl.load(k_ptrs, mask=mask_d[:, None] & mask_kv[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
-        if NEW_KV:
-            kt = tl.where(is_new[None, :], k_new[:, None], kt)
-        s = _dot(q, kt.to(q.dtype), UPCAST, PRECISION)  # [BLOCK_H, BLOCK_N]
-        if HAS_TAIL:
-            kt_ptrs = K + slot[None, :] * stride_ks + kvh * stride_kh + offs_dt[:, None]
-            kt_tail = tl.load(kt_ptrs, mask=mask_dt[:, None] & mask_kv[None, :], other=0.0)  # [BLOCK_DT, BLOCK_N]
-            if NEW_KV:
-                kt_tail = tl.where(is_new[None, :], k_new_tail[:, None], kt_tail)
-            s += _dot(q_tail, kt_tail.to(q.dtype), UPCAST, PRECISION)
-        s = s * scale
-        if HAS_CAP:
-            s = _softcap(s, logit_cap)
-        if HAS_ALIBI:  # slope * (key position - query position); the query sits at seq_len - 1
-            s = s + slope[:, None] * (pos - (seq_len - 1)).to(tl.float32)[None, :]
-        s = tl.where(mask_n[None, :], s * _LOG2E, float("-inf"))
-        # Every block holds >= 1 valid key (n0 < end), so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_ptrs = V + slot[:, None] * stride_vs + kvh * stride_vh + offs_dv[None, :]
-        v = tl.load(v_ptrs, mask=mask_kv[:, None] & mask_dv[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
-        if NEW_KV:
-            v = tl.where(is_new[:, None], v_new[None, :], v)
-        acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), UPCAST, PRECISION)
-        m_i = m_new
+        kt, kt_tail, v = _load_block(K, V, ReqToPage, row, stride_rtp, stride_ks, stride_kh, stride_vs, stride_vh,
+                                     kvh, pos, mask_kv, offs_d, mask_d, offs_dt, mask_dt, offs_dv, mask_dv,
+                                     PAGE_SIZE, HAS_TAIL)  # fmt: skip
+        m_i, l_i, acc = _attend_block(q, q_tail, kt, kt_tail, v, k_new, k_new_tail, v_new, m_i, l_i, acc, pos, mask_n,
+                                      seq_len, slope, scale, logit_cap, UPCAST, PRECISION, HAS_TAIL, HAS_CAP,
+                                      HAS_ALIBI, NEW_KV)  # fmt: skip
 
     # This split's normalised output and log-sum-exp (base 2): [BLOCK_H, BLOCK_DV], [BLOCK_H].
     part_o = acc / l_i[:, None]
@@ -532,6 +591,7 @@ def decode_attention_fwd(
     window = window_arg(window_left)
     cap = float(logit_cap) if logit_cap > 0 else 1.0
     sinks_arg = check_sinks(sinks, hq, q)
+    use_pdl = pdl.enabled(q.device)
     _decode_stage1_kernel[(bsz, hkv * head_blocks, max_splits)](
         q, k_buffer, v_buffer, req_to_page, req_pool_indices, seq_lens, partial_out, partial_lse, slopes,
         k_new, v_new, new_loc, out, sinks_arg, seq_lens if counters is None else counters,
@@ -545,8 +605,9 @@ def decode_attention_fwd(
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
         HAS_CAP=logit_cap > 0, UPCAST=upcast, PRECISION=precision, HAS_ALIBI=alibi_slopes is not None,
         HEAD_BLOCKS=head_blocks, BLOCK_DT=max(block_dt, 16), HAS_TAIL=block_dt > 0,
-        NEW_KV=new_kv, MERGE=counters is not None, HAS_SINKS=sinks is not None,
-        num_warps=decode_num_warps(d, dv), num_stages=2,
+        NEW_KV=new_kv, MERGE=counters is not None, HAS_SINKS=sinks is not None, USE_PDL=use_pdl,
+        PREFETCH=use_pdl and new_kv,
+        num_warps=decode_num_warps(d, dv), num_stages=2, **({"launch_pdl": True} if use_pdl else {}),
     )  # fmt: skip
     if counters is not None:
         return out

@@ -1,0 +1,71 @@
+"""Programmatic dependent launch (PDL) of attngraph's Triton kernels on Hopper and later.
+
+A kernel launched with PDL (``kernel[grid](..., launch_pdl=True)``, Triton's
+``cuLaunchKernelEx`` with programmatic stream serialization; a programmatic edge once captured
+into a CUDA graph) may start while the kernel before it still runs. Its programs then call
+``gdc_wait()`` before they read anything an earlier kernel wrote: it returns once the previous
+grid has completed and its writes are visible. ``gdc_launch_dependents()`` right after lets the
+next PDL kernel start in turn. The decode step's kernels are a few microseconds each, so the
+launch and ramp-up they hide is a large part of the step.
+
+The contract every kernel here keeps, so that the chain stays ordered: before ``gdc_wait()`` a
+program reads only what no kernel of the step writes (the weights); it calls
+``gdc_launch_dependents()`` only after its ``gdc_wait()``. A kernel launched without PDL (cuBLAS,
+a copy) waits for its predecessor as usual, and one launched with PDL after it loses nothing.
+
+`ENABLED` (``ATTNGRAPH_PDL=0`` turns it off) applies to the kernels' launches at the time they
+are made, so a CUDA graph holds what was set when it was captured; `enabled` also gates
+inductor's own PDL (``triton.enable_pdl`` in `config.resolved_inductor_options`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+#: Launch attngraph's kernels (and let inductor launch its own) with PDL where the device has it.
+ENABLED = os.environ.get("ATTNGRAPH_PDL", "1") != "0"
+
+#: Let inductor launch its Triton kernels with PDL too (``triton.enable_pdl``: each waits before
+#: its first read of the previous kernel's output), where `ENABLED` and this torch has it.
+INDUCTOR = True
+
+#: Compute capability from which CUDA has programmatic dependent launch (Hopper).
+MIN_CAPABILITY = (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_has_pdl(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= MIN_CAPABILITY
+
+
+@functools.lru_cache(maxsize=1)
+def triton_has_pdl() -> bool:
+    """Whether this Triton has the in-kernel primitives (``gdc_wait``, ``gdc_launch_dependents``)."""
+    try:
+        import triton.language.extra.cuda as cuda_extra
+    except ImportError:
+        return False
+    return hasattr(cuda_extra, "gdc_wait") and hasattr(cuda_extra, "gdc_launch_dependents")
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels launched on ``device`` now use PDL: `ENABLED`, a CUDA device of compute
+    capability >= 9.0, and a Triton with the primitives (never under Triton's interpreter)."""
+    if not ENABLED or device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _device_has_pdl(index) and triton_has_pdl()
+
+
+def inductor_options() -> dict[str, bool]:
+    """Inductor settings for attngraph's CUDA compiles: ``{"triton.enable_pdl": True}`` where
+    `ENABLED`, `INDUCTOR` and this torch has the setting (inductor applies it on compute
+    capability >= 9.0 only), else none."""
+    if not (ENABLED and INDUCTOR):
+        return {}
+    from torch._inductor import config as inductor_config
+
+    return {"triton.enable_pdl": True} if hasattr(inductor_config.triton, "enable_pdl") else {}
