@@ -414,9 +414,13 @@ def skinny_silu_mul_linear(
 
 # ----------------------------------------------------------------------------- silu(a) * b alone
 @triton.jit
-def _silu_mul_kernel(A, B, Y, I, stride_am, stride_bm, BLOCK: tl.constexpr, SOFT_BF16: tl.constexpr):
+def _silu_mul_kernel(A, B, Y, I, stride_am, stride_bm, BLOCK: tl.constexpr, SOFT_BF16: tl.constexpr,
+                     USE_PDL: tl.constexpr):  # fmt: skip
     """``Y[r] = silu(A[r]) * B[r]`` for row ``r = program_id(0)``, fp32, rounded once; A, B:
     rows ``stride_am`` / ``stride_bm`` apart, Y: ``[rows, I]`` contiguous."""
+    if USE_PDL:  # A and B may still be being written by the kernel before (attngraph.pdl)
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
@@ -440,10 +444,12 @@ def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if m == 0 or i == 0:
         return out
     block = 1024
+    use_pdl = pdl.enabled(a.device)
     guard = torch.cuda.device(a.device) if a.is_cuda and a.device.index != torch.cuda.current_device() else nullcontext()
     with guard:
         _silu_mul_kernel[(m, triton.cdiv(i, block))](
             a, b, out, i, a.stride(0), b.stride(0), BLOCK=block,
-            SOFT_BF16=a.dtype == torch.bfloat16 and interpreting(), num_warps=4,
+            SOFT_BF16=a.dtype == torch.bfloat16 and interpreting(), USE_PDL=use_pdl, num_warps=4,
+            **({"launch_pdl": True} if use_pdl else {}),
         )  # fmt: skip
     return out

@@ -2,7 +2,9 @@
 
 Two ``index_copy_`` calls (one per buffer) cost two launches per layer; at batch-1 decode the
 launches, not the bytes, are the cost (about 2 us each on an H200, 64 per 1B-shaped step).
-One program per token copies its K row and its V row.
+One program per token copies its K row and its V row; launched with programmatic dependent
+launch where `attngraph.pdl` allows it (the slot is read before the wait for the kernel that
+produced K and V).
 """
 
 from __future__ import annotations
@@ -11,16 +13,26 @@ import torch
 import triton
 import triton.language as tl
 
+from ... import pdl
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without PDL: pdl.enabled is False, the USE_PDL code never compiles
+    gdc_launch_dependents = gdc_wait = None
+
 
 @triton.jit
 def _store_kv_kernel(
     K, V, KBuf, VBuf, Loc,
     stride_kt, stride_kh, stride_vt, stride_vh,
     HEADS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(Loc + t).to(tl.int64)
+    slot = tl.load(Loc + t).to(tl.int64)  # the step's slots: no kernel of the step writes them
+    if USE_PDL:  # K and V may still be being written by the kernel before (attngraph.pdl)
+        gdc_wait()
+        gdc_launch_dependents()
     offs_h = tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
     mask_h = offs_h < HEADS
     offs_d = tl.arange(0, BLOCK_D)[None, :]  # [1, BLOCK_D]
@@ -57,10 +69,11 @@ def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, 
         k = k.to(k_buffer.dtype).contiguous()
     if v.dtype != v_buffer.dtype or v.stride(2) != 1:
         v = v.to(v_buffer.dtype).contiguous()
+    use_pdl = pdl.enabled(k.device)
     _store_kv_kernel[(t,)](
         k, v, k_buffer, v_buffer, loc,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         HEADS=heads, D=d, DV=dv, BLOCK_H=triton.next_power_of_2(heads),
         BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv),
-        num_warps=4 if heads * max(d, dv) >= 1024 else 2,
+        USE_PDL=use_pdl, num_warps=4 if heads * max(d, dv) >= 1024 else 2, **({"launch_pdl": True} if use_pdl else {}),
     )  # fmt: skip
