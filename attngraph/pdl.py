@@ -8,10 +8,21 @@ grid has completed and its writes are visible. ``gdc_launch_dependents()`` right
 next PDL kernel start in turn. The decode step's kernels are a few microseconds each, so the
 launch and ramp-up they hide is a large part of the step.
 
-The contract every kernel here keeps, so that the chain stays ordered: before ``gdc_wait()`` a
-program reads only what no kernel of the step writes (the weights); it calls
-``gdc_launch_dependents()`` only after its ``gdc_wait()``. A kernel launched without PDL (cuBLAS,
-a copy) waits for its predecessor as usual, and one launched with PDL after it loses nothing.
+Why the reads are ordered. A PDL kernel starts once every program of the kernel before it has
+called ``gdc_launch_dependents()`` (or exited); ``gdc_wait()`` returns once that kernel has
+completed. Every kernel here calls ``gdc_launch_dependents()`` only after its own ``gdc_wait()``,
+so it completes only after its predecessor did, and so on back: when a kernel starts, every
+kernel before its predecessor has completed. Hence the contract of the kernels here: before
+``gdc_wait()`` a program reads only what the kernel right before it cannot be writing (the
+weights; with the decode kernel's fused K/V store also the page table, the lengths and the
+pool, written by kernels further back); after it, anything. A kernel launched without PDL
+(cuBLAS, a copy) waits for all earlier work as usual, and one launched with PDL after it loses
+nothing. Inductor's PDL kernels keep the same order: each waits before its first read of the
+previous kernel's output, and every kernel that loads anything waits before it launches its
+dependents (``_handle_pdl_after_load`` in ``torch/_inductor/codegen/triton.py``). An inductor
+kernel with no load and no dependency on its predecessor does not wait at all: one placed
+between a producer and a kernel here would break the order, and nothing here detects it (the
+`ATTNGRAPH_PDL=0` switch rules PDL out when a result is in doubt).
 
 `ENABLED` (``ATTNGRAPH_PDL=0`` turns it off) applies to the kernels' launches at the time they
 are made, so a CUDA graph holds what was set when it was captured; `enabled` also gates
