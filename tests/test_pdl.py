@@ -27,15 +27,9 @@ def _hopper() -> torch.device:
 
 def _graph_of(fn):
     """``fn`` captured into a CUDA graph (after a warm-up on a side stream), and its output."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
+    from .attn_backends.test_triton_backend import capture_step
+
+    return capture_step(fn, fn)
 
 
 @pytest.mark.gpu
