@@ -49,8 +49,28 @@ def classify(name: str) -> str:
     return "other"
 
 
+def busy_us(intervals) -> float:
+    """Length of the union of ``(start, end)`` intervals: the time the GPU ran any kernel.
+    Kernels launched with programmatic dependent launch overlap (a kernel's span includes its
+    wait for the one before), so their summed durations count that time twice.
+
+    >>> busy_us([(0, 4), (3, 6), (8, 9)])
+    7
+    """
+    total, lo, hi = 0, None, None
+    for start, end in sorted(intervals):
+        if hi is None or start > hi:
+            if hi is not None:
+                total += hi - lo
+            lo, hi = start, end
+        else:
+            hi = max(hi, end)
+    return total + (hi - lo if hi is not None else 0)
+
+
 def kernel_table(step, steps: int = 5) -> dict:
-    """Per-step kernel time and launches of ``step``, by class and by name."""
+    """Per-step kernel time and launches of ``step``, by class and by name. ``gpu_ms``: the
+    kernels' summed durations; ``gpu_busy_ms``: the time any kernel ran (`busy_us`)."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
@@ -60,9 +80,11 @@ def kernel_table(step, steps: int = 5) -> dict:
             step()
         torch.cuda.synchronize()
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    spans = []
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
+        spans.append((e.time_range.start, e.time_range.end))
         entry = by_name[e.name]
         entry[0] += e.device_time_total / steps
         entry[1] += 1 / steps
@@ -74,6 +96,7 @@ def kernel_table(step, steps: int = 5) -> dict:
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:60]
     return {
         "gpu_ms": sum(us for us, _ in by_name.values()) / 1e3,
+        "gpu_busy_ms": busy_us(spans) / steps / 1e3,
         "kernels": round(sum(n for _, n in by_name.values())),
         "by_class_us": {k: [round(us, 1), round(n)] for k, (us, n) in sorted(by_class.items(), key=lambda kv: -kv[1][0])},
         "top_us": [[name[:110], round(us, 1), round(n)] for name, (us, n) in top],
