@@ -63,9 +63,10 @@ def triton_has_pdl() -> bool:
 
 
 def enabled(device: torch.device) -> bool:
-    """Whether kernels launched on ``device`` now use PDL: `ENABLED`, a CUDA device of compute
-    capability >= 9.0, and a Triton with the primitives (never under Triton's interpreter)."""
-    if not ENABLED or device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+    """Whether kernels launched on ``device`` now use PDL: `ENABLED`, an NVIDIA device of compute
+    capability >= 9.0 (not ROCm, whose "cuda" devices have no such launch), and a Triton with
+    the primitives (never under Triton's interpreter)."""
+    if not ENABLED or device.type != "cuda" or torch.version.hip or os.environ.get("TRITON_INTERPRET", "0") == "1":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _device_has_pdl(index) and triton_has_pdl()

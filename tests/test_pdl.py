@@ -14,6 +14,9 @@ def test_off_on_the_cpu_and_when_disabled(monkeypatch):
     monkeypatch.setattr(pdl, "ENABLED", False)
     assert not pdl.enabled(torch.device("cuda", 0))
     assert pdl.inductor_options() == {}
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    assert not pdl.enabled(torch.device("cuda", 0))  # ROCm: no programmatic launch
 
 
 def _hopper() -> torch.device:
