@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 import sys
 import time
 
@@ -71,14 +72,19 @@ def prompts(vocab: int, batch: int, length: int) -> tuple[torch.Tensor, torch.Te
     return ids.cuda(), mask.cuda()
 
 
-def timed(model, ids, mask, new_tokens: int, **extra) -> tuple[torch.Tensor, float]:
+def timed(model, ids, mask, new_tokens: int, repeats: int = 1, **extra) -> tuple[torch.Tensor, list[float]]:
+    """``(sequences, seconds per generated token of each of ``repeats`` timed generates)``, after
+    a warm-up generate of the same length (compiles, caches)."""
     kw = dict(attention_mask=mask, do_sample=False, pad_token_id=0, eos_token_id=None, **extra)
-    model.generate(ids, max_new_tokens=new_tokens, **kw)  # warm-up at the timed length (compiles, caches)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = model.generate(ids, max_new_tokens=new_tokens, **kw)
-    torch.cuda.synchronize()
-    return out, (time.perf_counter() - t0) / new_tokens
+    model.generate(ids, max_new_tokens=new_tokens, **kw)
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new_tokens, **kw)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / new_tokens)
+    return out, times
 
 
 class _KeepScores(transformers.LogitsProcessor):
@@ -106,11 +112,20 @@ def teacher_forced_agreement(reference, accelerated, sequences, prompt_len: int,
     return float((logits.argmax(-1) == sequences[:, prompt_len:]).float().mean())
 
 
-def decode_step_ms(model, ids, mask, new_tokens: int, **extra) -> tuple[torch.Tensor, float]:
-    """``(sequences of the N-token generate, ms per decode step)``: ``(t(N) - t(1)) / (N - 1)``."""
-    _, t1 = timed(model, ids, mask, 1, **extra)
-    out, tn = timed(model, ids, mask, new_tokens, **extra)
-    return out, (tn * new_tokens - t1) / (new_tokens - 1) * 1e3
+def spread(steps: list[float]) -> dict:
+    """The range of a row's repeated step timings, for the JSON (``ms_per_step_range``)."""
+    return {"ms_per_step_range": [round(min(steps), 3), round(max(steps), 3)]} if len(steps) > 1 else {}
+
+
+def decode_step_ms(model, ids, mask, new_tokens: int, repeats: int = 1, **extra) -> tuple[torch.Tensor, float, list[float]]:
+    """``(sequences of the N-token generate, ms per decode step, each repeat's)``: a decode step
+    is ``(t(N) - t(1)) / (N - 1)``, with t(1) the median of ``repeats`` timings and t(N) each
+    of ``repeats``; the step reported is their median."""
+    _, t1s = timed(model, ids, mask, 1, repeats, **extra)
+    out, tns = timed(model, ids, mask, new_tokens, repeats, **extra)
+    t1 = statistics.median(t1s)
+    steps = [(tn * new_tokens - t1) / (new_tokens - 1) * 1e3 for tn in tns]
+    return out, statistics.median(steps), steps
 
 
 def decode_kernels(model, batch: int, context: int) -> dict:
@@ -149,8 +164,12 @@ def main() -> None:
     p.add_argument("--one-row-limit", default="default",
                    help="linear_ops.KERNEL_MAX_WEIGHT_ONE_ROW: the largest weight (elements) the GEMV takes at one row, "
                         "comma-separated values (default: the module's)")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed generates per row (after one warm-up); the median step is reported, the range beside it")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
     if not torch.cuda.is_available():
         sys.exit("bench_generate.py needs a CUDA device (it times bf16 generate on the GPU); "
                  "on a CPU `attngraph generate llama --tiny --prompt ...` compares tokens/s")  # fmt: skip
@@ -176,12 +195,13 @@ def main() -> None:
             for b in batches:
                 ids, mask = prompts(vocab, b, args.prompt)
                 if args.hf_eager:
-                    _, ms = decode_step_ms(model, ids, mask, args.new_tokens)
-                    add("HF eager (sdpa)", b, ms_per_step=round(ms, 3))
+                    _, ms, each = decode_step_ms(model, ids, mask, args.new_tokens, args.repeats)
+                    add("HF eager (sdpa)", b, ms_per_step=round(ms, 3), **spread(each))
                 if args.hf_static in ("all", shape) or shape in args.hf_static.split(","):  # transformers compiles the forward itself for a static cache
                     try:
-                        out, ms = decode_step_ms(model, ids, mask, args.new_tokens, cache_implementation="static")
-                        add("HF static cache + torch.compile", b, ms_per_step=round(ms, 3),
+                        out, ms, each = decode_step_ms(model, ids, mask, args.new_tokens, args.repeats,
+                                                       cache_implementation="static")  # fmt: skip
+                        add("HF static cache + torch.compile", b, ms_per_step=round(ms, 3), **spread(each),
                             teacher_forced_agreement=round(teacher_forced_agreement(model, None, out, args.prompt, mask), 4))  # fmt: skip
                     except Exception as exc:
                         add("HF static cache + torch.compile", b, error=f"{type(exc).__name__}: {exc}"[:500])
@@ -206,8 +226,8 @@ def main() -> None:
                 ids, mask = prompts(vocab, b, args.prompt)
                 kernels = decode_kernels(m, b, args.prompt)
                 for loop in args.loops.split(","):
-                    out, ms = decode_step_ms(m, ids, mask, args.new_tokens, **LOOPS[loop])
-                    add(label + ("" if loop == "chunks" else " step loop"), b, ms_per_step=round(ms, 3), **kernels,
+                    out, ms, each = decode_step_ms(m, ids, mask, args.new_tokens, args.repeats, **LOOPS[loop])
+                    add(label + ("" if loop == "chunks" else " step loop"), b, ms_per_step=round(ms, 3), **spread(each), **kernels,
                         teacher_forced_agreement=round(teacher_forced_agreement(model, m, out, args.prompt, mask), 4),
                         setup_s=round(setup_s, 1))  # fmt: skip
             attngraph.restore(m)
