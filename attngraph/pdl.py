@@ -52,21 +52,33 @@ def _device_has_pdl(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= MIN_CAPABILITY
 
 
-@functools.lru_cache(maxsize=1)
+# The in-kernel primitives, imported by the kernel modules from here (a @triton.jit function
+# reads them as globals of its module). None without Triton or in a Triton without PDL: then
+# `enabled` is False and no kernel compiles its USE_PDL code.
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
+
+#: Triton's interpreter (``TRITON_INTERPRET=1``, read once as Triton does): never PDL.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def triton_has_pdl() -> bool:
     """Whether this Triton has the in-kernel primitives (``gdc_wait``, ``gdc_launch_dependents``)."""
-    try:
-        import triton.language.extra.cuda as cuda_extra
-    except ImportError:
-        return False
-    return hasattr(cuda_extra, "gdc_wait") and hasattr(cuda_extra, "gdc_launch_dependents")
+    return gdc_wait is not None and gdc_launch_dependents is not None
+
+
+def launch_options(use_pdl: bool) -> dict[str, bool]:
+    """Keyword arguments of a Triton launch: ``launch_pdl=True`` when ``use_pdl``, else none."""
+    return {"launch_pdl": True} if use_pdl else {}
 
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels launched on ``device`` now use PDL: `ENABLED`, an NVIDIA device of compute
     capability >= 9.0 (not ROCm, whose "cuda" devices have no such launch), and a Triton with
     the primitives (never under Triton's interpreter)."""
-    if not ENABLED or device.type != "cuda" or torch.version.hip or os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if not ENABLED or device.type != "cuda" or torch.version.hip or _INTERPRETED:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _device_has_pdl(index) and triton_has_pdl()

@@ -30,13 +30,9 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .pdl import gdc_launch_dependents, gdc_wait
 from .attn_backends.triton_ops.decode_attention import interpreter_problem, interpreting
 from .errors import InputError
-
-try:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # a Triton without PDL: pdl.enabled is False, the USE_PDL code never compiles
-    gdc_launch_dependents = gdc_wait = None
 
 __all__ = [
     "MAX_ROWS",
@@ -344,7 +340,6 @@ def _launch(x, x2, weight, bias, out, config, silu_mul: bool) -> torch.Tensor:
             part = torch.empty((split_k, rows_padded(m), n), dtype=torch.float32, device=x.device)
     x2 = x2 if x2 is not None else x  # the kernel reads it with SILU_MUL only
     use_pdl = pdl.enabled(x.device)
-    launch_kwargs = {"launch_pdl": True} if use_pdl else {}
     # Triton launches on the current device
     guard = torch.cuda.device(x.device) if x.is_cuda and x.device.index != torch.cuda.current_device() else nullcontext()
     with guard:
@@ -353,7 +348,7 @@ def _launch(x, x2, weight, bias, out, config, silu_mul: bool) -> torch.Tensor:
             m, n, k, k_per_split, x.stride(0), x2.stride(0), weight.stride(0), out.stride(0),
             ROWS=rows_padded(m), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
             HAS_BIAS=bias is not None, SILU_MUL=silu_mul, SOFT_BF16=x.dtype == torch.bfloat16 and interpreting(),
-            USE_PDL=use_pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs,
+            USE_PDL=use_pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch_options(use_pdl),
         )  # fmt: skip
     return out
 
@@ -450,6 +445,6 @@ def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         _silu_mul_kernel[(m, triton.cdiv(i, block))](
             a, b, out, i, a.stride(0), b.stride(0), BLOCK=block,
             SOFT_BF16=a.dtype == torch.bfloat16 and interpreting(), USE_PDL=use_pdl, num_warps=4,
-            **({"launch_pdl": True} if use_pdl else {}),
+            **pdl.launch_options(use_pdl),
         )  # fmt: skip
     return out

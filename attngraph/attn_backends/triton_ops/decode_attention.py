@@ -41,12 +41,8 @@ import triton
 import triton.language as tl
 
 from ... import pdl
+from ...pdl import gdc_launch_dependents, gdc_wait
 from ...errors import InputError
-
-try:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # a Triton without PDL: pdl.enabled is False, the USE_PDL code never compiles
-    gdc_launch_dependents = gdc_wait = None
 
 logger = logging.getLogger(__name__)
 
@@ -607,7 +603,7 @@ def decode_attention_fwd(
         HEAD_BLOCKS=head_blocks, BLOCK_DT=max(block_dt, 16), HAS_TAIL=block_dt > 0,
         NEW_KV=new_kv, MERGE=counters is not None, HAS_SINKS=sinks is not None, USE_PDL=use_pdl,
         PREFETCH=use_pdl and new_kv,
-        num_warps=decode_num_warps(d, dv), num_stages=2, **({"launch_pdl": True} if use_pdl else {}),
+        num_warps=decode_num_warps(d, dv), num_stages=2, **pdl.launch_options(use_pdl),
     )  # fmt: skip
     if counters is not None:
         return out

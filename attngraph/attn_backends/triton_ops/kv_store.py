@@ -14,11 +14,7 @@ import triton
 import triton.language as tl
 
 from ... import pdl
-
-try:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # a Triton without PDL: pdl.enabled is False, the USE_PDL code never compiles
-    gdc_launch_dependents = gdc_wait = None
+from ...pdl import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -75,5 +71,5 @@ def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, 
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         HEADS=heads, D=d, DV=dv, BLOCK_H=triton.next_power_of_2(heads),
         BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv),
-        USE_PDL=use_pdl, num_warps=4 if heads * max(d, dv) >= 1024 else 2, **({"launch_pdl": True} if use_pdl else {}),
+        USE_PDL=use_pdl, num_warps=4 if heads * max(d, dv) >= 1024 else 2, **pdl.launch_options(use_pdl),
     )  # fmt: skip
