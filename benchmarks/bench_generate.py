@@ -170,6 +170,10 @@ def main() -> None:
     args = p.parse_args()
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
+    if bad := [v for v in args.pdl.split(",") if v not in PDL_LABELS]:
+        p.error(f"--pdl takes {', '.join(PDL_LABELS)}; got {', '.join(bad)}")
+    if bad := [v for v in args.one_row_limit.split(",") if v != "default" and not (v.isdigit() and int(v) > 0)]:
+        p.error(f"--one-row-limit takes 'default' or positive element counts; got {', '.join(bad)}")
     if not torch.cuda.is_available():
         sys.exit("bench_generate.py needs a CUDA device (it times bf16 generate on the GPU); "
                  "on a CPU `attngraph generate llama --tiny --prompt ...` compares tokens/s")  # fmt: skip
