@@ -124,6 +124,18 @@ def _use_kernel(rows: int, k: int, lead: torch.Tensor, weight: torch.Tensor, max
     return weight.numel() <= KERNEL_MAX_WEIGHT
 
 
+def kernel_may_serve(n: int, k: int, silu_mul: bool = False) -> bool:
+    """Whether some row count runs an ``[n, k]`` weight on the kernel (the pass's test: a
+    linear no step would run there stays ``F.linear``, inductor's to schedule). Plain: weights
+    of at most `KERNEL_MAX_WEIGHT` elements, `KERNEL_MAX_WEIGHT_ONE_ROW` (one row), or output
+    heads (``n >= KERNEL_MIN_HEAD_RATIO * k``, one row); folding SiLU * up:
+    `KERNEL_MAX_SILU_MUL_WEIGHT`."""
+    numel = n * k
+    if silu_mul:
+        return numel <= KERNEL_MAX_SILU_MUL_WEIGHT
+    return numel <= max(KERNEL_MAX_WEIGHT, KERNEL_MAX_WEIGHT_ONE_ROW) or n >= KERNEL_MIN_HEAD_RATIO * k
+
+
 def _check_linear(what: str, x: torch.Tensor, weight: torch.Tensor, inner: int) -> int:
     """Refuse what no path serves; returns N."""
     if x.dim() < 1:

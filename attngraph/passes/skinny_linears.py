@@ -16,8 +16,9 @@ Rewrites, on a Dynamo graph (torch-level calls):
   ``.contiguous()`` (`fuse_linears`'s halves of the fused gate/up output) are read as the
   strided views behind it.
 
-Linears whose weight holds more than `linear_ops.KERNEL_MAX_WEIGHT` elements stay as they are
-(`SkinnyResult.kept`): the GEMV loses to cuBLAS there at every row count measured; a down
+Linears that no row count runs on the GEMV stay as they are (`SkinnyResult.kept`,
+`linear_ops.kernel_may_serve`): weights above `linear_ops.KERNEL_MAX_WEIGHT` elements, or above
+`KERNEL_MAX_WEIGHT_ONE_ROW` where one row would take them, except output heads; a down
 projection that folds SiLU * up has the larger `linear_ops.KERNEL_MAX_SILU_MUL_WEIGHT`, since
 the fold also saves the product's launch. Left alone,
 with the reason in `SkinnyResult.refused`: a linear with keyword arguments or a weight that is
@@ -85,11 +86,19 @@ def _silu_mul_operands(x: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     return None
 
 
-def _fits(weight: torch.Tensor, max_weight: int | None) -> bool:
+def _fits(weight: torch.Tensor, max_weight: int | None, silu_mul: bool) -> bool:
+    """Whether the op may run ``weight`` on the kernel: at most ``max_weight`` elements; -1:
+    `linear_ops.kernel_may_serve` (the ops' own limits, the one-row ones included)."""
+    from .. import linear_ops
+
     if max_weight is None:
         return True
-    numel = weight.numel()
-    return isinstance(numel, int) and numel <= max_weight  # a symbolic size: not a weight
+    n, k = weight.shape
+    if not (isinstance(n, int) and isinstance(k, int)):  # a symbolic size: not a weight
+        return False
+    if max_weight == -1:
+        return linear_ops.kernel_may_serve(n, k, silu_mul)
+    return n * k <= max_weight
 
 
 def _axis_symbols(gm: fx.GraphModule, names: Iterable[str]) -> set:
@@ -141,8 +150,9 @@ def skinny_linears(
 
     ``max_weight``: linears whose weight holds more elements stay as they are (the ops would
     run cuBLAS for them at any row count; a gated MLP's product stays inductor's to fuse).
-    ``-1``: `linear_ops.KERNEL_MAX_WEIGHT`, and `linear_ops.KERNEL_MAX_SILU_MUL_WEIGHT` for a
-    linear that folds SiLU * up; None: every linear.
+    ``-1``: the ops' own limits (`linear_ops.kernel_may_serve`: `KERNEL_MAX_WEIGHT`, the
+    one-row `KERNEL_MAX_WEIGHT_ONE_ROW` and output heads, `KERNEL_MAX_SILU_MUL_WEIGHT` for a
+    linear that folds SiLU * up); None: every linear.
 
     ``token_inputs`` / ``row_index_inputs``: substrings of the placeholder names whose symbolic
     sizes are the token count (``input_ids: [1, N]``) / the logits count (``logits_indices:
@@ -151,9 +161,6 @@ def skinny_linears(
     computes its real rows only. Empty: every op computes every row."""
     from .. import linear_ops  # registers torch.ops.attngraph.linear / silu_mul_linear
 
-    max_silu_mul = max_weight
-    if max_weight == -1:
-        max_weight, max_silu_mul = linear_ops.KERNEL_MAX_WEIGHT, linear_ops.KERNEL_MAX_SILU_MUL_WEIGHT
     token_symbols, logit_symbols = _axis_symbols(gm, token_inputs), _axis_symbols(gm, row_index_inputs)
 
     result = SkinnyResult()
@@ -173,7 +180,7 @@ def skinny_linears(
             result.refused.append((node.name, "the weight is not a matrix of known shape"))
             continue
         operands = _silu_mul_operands(x) if fold_silu_mul and b is None else None
-        if not _fits(weight, max_weight if operands is None else max_silu_mul):
+        if not _fits(weight, max_weight, operands is not None):
             result.kept.append(node.name)
             continue
         folded: list[fx.Node] = []

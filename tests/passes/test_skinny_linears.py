@@ -180,6 +180,7 @@ def test_the_default_limits_let_a_folding_down_projection_past_the_plain_limit(m
 
     module = mlp(seed=4)  # gate/up/down: 3840 elements each
     monkeypatch.setattr(linear_ops, "KERNEL_MAX_WEIGHT", 3839)
+    monkeypatch.setattr(linear_ops, "KERNEL_MAX_WEIGHT_ONE_ROW", 3839)
     monkeypatch.setattr(linear_ops, "KERNEL_MAX_SILU_MUL_WEIGHT", 3840)
     gm, phs, real = traced(module, torch.randn(3, 48))
     result = skinny_linears(gm)
@@ -189,6 +190,37 @@ def test_the_default_limits_let_a_folding_down_projection_past_the_plain_limit(m
     monkeypatch.setattr(linear_ops, "KERNEL_MAX_SILU_MUL_WEIGHT", 3839)
     gm, phs, real = traced(module, torch.randn(3, 48))
     assert len(skinny_linears(gm).kept) == 3
+
+
+class _ProjAndHead(torch.nn.Module):
+    """A 64 x 48 projection (3072 elements) and a 768 x 48 output head (``N = 16 K``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(48, 64, bias=False)
+        self.head = torch.nn.Linear(48, 16 * 48, bias=False)
+
+    def forward(self, x):
+        return self.head(self.proj(x)[..., :48].relu())
+
+
+@pytest.mark.parametrize("one_row, head_ratio, ops", [(3072, 16, 2), (3071, 16, 1), (3071, 17, 0), (3072, 17, 1)])
+def test_the_default_limits_take_what_one_row_runs_on_the_kernel(monkeypatch, one_row, head_ratio, ops):
+    """A weight above `KERNEL_MAX_WEIGHT` that a one-row step runs on the GEMV (at most
+    `KERNEL_MAX_WEIGHT_ONE_ROW` elements), and an output head (``N >= KERNEL_MIN_HEAD_RATIO *
+    K``) of any size, become ``attngraph.linear``: the op picks per step. Past both a linear
+    stays ``F.linear``."""
+    torch.manual_seed(6)
+    module = _ProjAndHead().eval()
+    monkeypatch.setattr(linear_ops, "KERNEL_MAX_WEIGHT", 3071)
+    monkeypatch.setattr(linear_ops, "KERNEL_MAX_WEIGHT_ONE_ROW", one_row)
+    monkeypatch.setattr(linear_ops, "KERNEL_MIN_HEAD_RATIO", head_ratio)
+    gm, phs, real = traced(module, torch.randn(2, 48))
+    result = skinny_linears(gm)
+    assert (len(result.linears), len(result.kept)) == (ops, 2 - ops)
+    assert count(gm, LINEAR) == ops and count(gm, LINEAR_TARGETS) == 2 - ops
+    x = torch.randn(3, 48)
+    torch.testing.assert_close(run_graph(gm, phs, real, x)[0], module(x), rtol=1e-5, atol=1e-5)
 
 
 def _rows_graph(n_tokens: int, n_logits: int):
