@@ -1,7 +1,9 @@
-"""`torch.ops.attngraph.linear` and `torch.ops.attngraph.silu_mul_linear`: projections of a few
-token rows through the Triton GEMV of `attngraph.skinny_linear`, torch for everything else.
+"""`torch.ops.attngraph.linear`, `silu_mul_linear`, `rms_norm_linear` and
+`add_rms_norm_linear`: projections of a few token rows through the Triton GEMV of
+`attngraph.skinny_linear` (with SiLU * up, or a residual add and HF's RMSNorm, folded into its
+loads), torch for everything else.
 
-Both are `torch.library.custom_op`s with fake implementations (opaque to Dynamo and inductor;
+All are `torch.library.custom_op`s with fake implementations (opaque to Dynamo and inductor;
 symbolic sizes under dynamic shapes) returning a fresh tensor. The kernel runs when the rows
 (the product of the leading dimensions) are at most `KERNEL_MAX_ROWS` and the weight holds at
 most `KERNEL_MAX_WEIGHT` elements (where it was measured faster), the dtype is bf16
@@ -206,10 +208,109 @@ def silu_mul_linear_impl(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor,
     return y.view(*a.shape[:-1], n)
 
 
+def _rms_norm_torch(h: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm, op for op (``LlamaRMSNorm.forward``): the CPU path, bit-equal to eager."""
+    hf = h.to(torch.float32)
+    return norm_weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+
+
+def _norm_kernel_serves(x: torch.Tensor, norm_weight: torch.Tensor) -> bool:
+    """Whether the standalone RMSNorm kernel (`attngraph.rms_norm`) runs these rows."""
+    k = x.shape[-1]
+    return (x.dtype in _KERNEL_DTYPES and _kernel_serves(x.device) and 0 < k <= 16384 and norm_weight.is_contiguous()
+            and (k == 1 or x.stride(-1) == 1))  # fmt: skip
+
+
+def _check_norm(what: str, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor) -> None:
+    if x.dim() < 1:
+        raise InputError(f"{what}: the input must have at least one dimension (features last); got a scalar")
+    k = x.shape[-1]
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device):
+        raise InputError(f"{what}: residual must match x ({x.dtype} {tuple(x.shape)} on {x.device}); got "
+                         f"{residual.dtype} {tuple(residual.shape)} on {residual.device}")  # fmt: skip
+    if norm_weight.dim() != 1 or norm_weight.shape[0] != k or norm_weight.dtype != x.dtype or norm_weight.device != x.device:
+        raise InputError(f"{what}: norm_weight must be a {x.dtype} [{k}] tensor on {x.device}; got "
+                         f"{norm_weight.dtype} {tuple(norm_weight.shape)} on {norm_weight.device}")  # fmt: skip
+
+
+def _norm_linear(x, residual, norm_weight, eps, weight, bias, rows) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(F.linear(rms_norm(h), weight, bias), h)``, ``h = x (+ residual)`` (None without one)."""
+    what = "rms_norm_linear" if residual is None else "add_rms_norm_linear"
+    _check_norm(what, x, residual, norm_weight)
+    k = x.shape[-1]
+    n = _check_linear(what, x, weight, k)
+    _check_bias(bias, n, x)
+    m = x.numel() // k if k else 0
+    real = real_rows(rows, m)
+    plain = (residual is None or k <= 1 or residual.stride(-1) == 1) and (bias is None or n <= 1 or bias.stride(0) == 1)
+    if plain and _use_kernel(real, k, x, weight) and norm_weight.is_contiguous():
+        y = x.new_empty((m, n))
+        h = x.new_empty((m, k)) if residual is not None else None
+        _kernels().skinny_rms_norm_linear(
+            x.reshape(m, k)[:real], norm_weight, eps, weight, bias,
+            residual=None if residual is None else residual.reshape(m, k)[:real],
+            out=y[:real], h_out=None if h is None else h[:real],
+        )  # fmt: skip
+        return y.view(*x.shape[:-1], n), None if h is None else h.view(x.shape)
+    if m and _norm_kernel_serves(x, norm_weight) and (residual is None or residual.stride(-1) == 1 or k == 1):
+        from .rms_norm import add_rms_norm
+
+        normed, h = add_rms_norm(x.reshape(m, k), norm_weight, eps, None if residual is None else residual.reshape(m, k))
+        normed, h = normed.view(x.shape), None if h is None else h.view(x.shape)
+    else:
+        h = x + residual if residual is not None else None
+        normed = _rms_norm_torch(x if h is None else h, norm_weight, eps)
+    return F.linear(normed, weight, bias), h
+
+
+def rms_norm_linear_impl(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                         bias: Optional[torch.Tensor] = None, rows: int = ANY_ROWS) -> torch.Tensor:  # fmt: skip
+    """``F.linear(norm_weight * rmsnorm(x), weight, bias)`` with HF's RMSNorm (``eps``; fp32
+    statistics, the normed row and its product with ``norm_weight`` rounded to x's dtype):
+    ``x: [..., K]``, ``norm_weight: [K]``, ``weight: [N, K]``, ``bias: [N]`` or None ->
+    ``[..., N]``. The GEMV folds the norm into its loads where it serves; elsewhere one
+    RMSNorm launch (`attngraph.rms_norm`, on CUDA) or torch's ops, then ``F.linear``.
+    ``rows``: as for `linear_impl`."""
+    return _norm_linear(x, None, norm_weight, eps, weight, bias, rows)[0]
+
+
+def add_rms_norm_linear_impl(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                             weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                             rows: int = ANY_ROWS) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(F.linear(norm_weight * rmsnorm(h), weight, bias), h)`` with ``h = x + residual``
+    (rounded to x's dtype: the model's residual stream, which it reads again). ``x, residual:
+    [..., K]``; otherwise as `rms_norm_linear_impl`. On the GEMV's path one program writes
+    ``h`` (the real rows; a padded step's padding rows of both outputs are left unwritten)."""
+    y, h = _norm_linear(x, residual, norm_weight, eps, weight, bias, rows)
+    return y, h
+
+
 linear = torch.library.custom_op("attngraph::linear", mutates_args=())(linear_impl)
 linear.__doc__ = linear_impl.__doc__
 silu_mul_linear = torch.library.custom_op("attngraph::silu_mul_linear", mutates_args=())(silu_mul_linear_impl)
 silu_mul_linear.__doc__ = silu_mul_linear_impl.__doc__
+
+
+rms_norm_linear = torch.library.custom_op("attngraph::rms_norm_linear", mutates_args=())(rms_norm_linear_impl)
+rms_norm_linear.__doc__ = rms_norm_linear_impl.__doc__
+add_rms_norm_linear = torch.library.custom_op("attngraph::add_rms_norm_linear", mutates_args=())(add_rms_norm_linear_impl)
+add_rms_norm_linear.__doc__ = add_rms_norm_linear_impl.__doc__
+
+
+@rms_norm_linear.register_fake
+def _(x, norm_weight, eps, weight, bias=None, rows=ANY_ROWS):
+    _check_norm("rms_norm_linear", x, None, norm_weight)
+    n = _check_linear("rms_norm_linear", x, weight, x.shape[-1])
+    _check_bias(bias, n, x)
+    return x.new_empty((*x.shape[:-1], n))
+
+
+@add_rms_norm_linear.register_fake
+def _(x, residual, norm_weight, eps, weight, bias=None, rows=ANY_ROWS):
+    _check_norm("add_rms_norm_linear", x, residual, norm_weight)
+    n = _check_linear("add_rms_norm_linear", x, weight, x.shape[-1])
+    _check_bias(bias, n, x)
+    return x.new_empty((*x.shape[:-1], n)), x.new_empty(x.shape)
 
 
 @linear.register_fake

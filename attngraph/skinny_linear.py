@@ -17,8 +17,9 @@ in one launch and uses each weight tile for every row:
 
 ``ROWS`` is ``M`` padded to a power of two (a constexpr: 1, 2, 4 and 8 compile separately).
 Launched with programmatic dependent launch where `attngraph.pdl` allows it: a program loads
-its first weight chunk, then waits for the kernel before (whose output ``x`` is) to finish.
-`skinny_silu_mul_linear` fuses the MLP's ``silu(gate) * up`` into the loads of ``x``.
+its first weight chunk, then waits for the kernel before (whose output ``x`` is) to finish. `skinny_silu_mul_linear` fuses the MLP's
+``silu(gate) * up`` into the loads of ``x``; `skinny_rms_norm_linear` a residual add and HF's
+RMSNorm (each program first reads all of ``x`` for the rows' statistics).
 """
 
 from __future__ import annotations
@@ -38,12 +39,14 @@ __all__ = [
     "MAX_ROWS",
     "NUM_SMS",
     "TUNED",
+    "TUNED_NORM",
     "TUNED_SILU_MUL",
     "default_config",
     "interpreter_problem",
     "interpreting",
     "rows_padded",
     "skinny_linear",
+    "skinny_rms_norm_linear",
     "skinny_silu_mul_linear",
 ]
 
@@ -77,6 +80,9 @@ TUNED_SILU_MUL: dict[tuple[int, int, int], dict[str, int]] = {
     (1, 4096, 14336): dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=2, SPLIT_K=1),
 }
 
+#: The same for `skinny_rms_norm_linear` (every program also reads all of ``x`` for the norm).
+TUNED_NORM: dict[tuple[int, int, int], dict[str, int]] = {}
+
 _CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -96,30 +102,75 @@ def _round(v, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
 
 
 @triton.jit
-def _rows_chunk(x_rows, x2_rows, offs_k, mask_x, SILU_MUL: tl.constexpr, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
-    """The ``[ROWS, BLOCK_K]`` chunk of ``h`` (x, or silu(x) * x2 rounded to ``DTYPE``) in fp32."""
-    x = tl.load(x_rows + offs_k[None, :], mask=mask_x, other=0.0)  # [ROWS, BLOCK_K]
+def _residual_chunk(x_rows, r_rows, offs_k, mask_x, RESIDUAL: tl.constexpr, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """The ``[ROWS, BLOCK_K]`` chunk of ``x`` (+ the residual ``r``, the sum rounded to
+    ``DTYPE`` as the model's own addition rounds it) in fp32."""
+    x = tl.load(x_rows + offs_k[None, :], mask=mask_x, other=0.0).to(tl.float32)  # [ROWS, BLOCK_K]
+    if RESIDUAL:
+        r = tl.load(r_rows + offs_k[None, :], mask=mask_x, other=0.0).to(tl.float32)
+        x = _round(x + r, DTYPE, SOFT_BF16).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _rms_norm_chunk(h, nw_ptr, rstd, offs_k, mask_k, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """HF's RMSNorm of the fp32 chunk ``h`` ``[ROWS, BLOCK_K]`` given its rows' ``rstd``
+    ``[ROWS]``: ``weight * (h * rstd).to(dtype)``, both products rounded to ``DTYPE``."""
+    normed = _round(h * rstd[:, None], DTYPE, SOFT_BF16).to(tl.float32)
+    nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)  # [BLOCK_K]
+    return _round(nw[None, :] * normed, DTYPE, SOFT_BF16).to(tl.float32)
+
+
+@triton.jit
+def _rows_chunk(x_rows, x2_rows, nw_ptr, rstd, offs_k, mask_x, mask_k, SILU_MUL: tl.constexpr, NORM: tl.constexpr,
+                RESIDUAL: tl.constexpr, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):  # fmt: skip
+    """The ``[ROWS, BLOCK_K]`` chunk of the GEMV's input in fp32: ``x``; ``silu(x) * x2``
+    rounded to ``DTYPE`` (``SILU_MUL``); or the RMSNorm of ``x`` (+ the residual ``x2``)
+    (``NORM``, ``RESIDUAL``)."""
     if SILU_MUL:
-        g = x.to(tl.float32)
+        g = tl.load(x_rows + offs_k[None, :], mask=mask_x, other=0.0).to(tl.float32)
         u = tl.load(x2_rows + offs_k[None, :], mask=mask_x, other=0.0).to(tl.float32)
         # rounded once to the inputs' dtype, as an inductor-fused silu(g) * u feeding a GEMM
         h = _round(g / (1.0 + tl.exp(-g)) * u, DTYPE, SOFT_BF16).to(tl.float32)
     else:
-        h = x.to(tl.float32)
+        h = _residual_chunk(x_rows, x2_rows, offs_k, mask_x, RESIDUAL, DTYPE, SOFT_BF16)
+        if NORM:
+            h = _rms_norm_chunk(h, nw_ptr, rstd, offs_k, mask_k, DTYPE, SOFT_BF16)
     return h
 
 
 @triton.jit
+def _rms_rstd(x_rows, x2_rows, h_rows, K, eps, mask_m, h_count, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+              RESIDUAL: tl.constexpr, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):  # fmt: skip
+    """``rsqrt(mean(h^2) + eps)`` per row ``[ROWS]`` of ``h = x (+ x2)`` over all ``K``; the
+    first ``h_count`` rows of ``h`` (the residual stream) are also stored (M rows by one
+    program of the launch, 0 by the others)."""
+    ss = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
+    mask_h = tl.arange(0, ROWS) < h_count  # [ROWS]
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_x = mask_m[:, None] & (offs_k < K)[None, :]
+        h = _residual_chunk(x_rows, x2_rows, offs_k, mask_x, RESIDUAL, DTYPE, SOFT_BF16)
+        if RESIDUAL:
+            tl.store(h_rows + offs_k[None, :], h.to(DTYPE), mask=mask_h[:, None] & (offs_k < K)[None, :])
+        ss += h * h
+    return 1.0 / tl.sqrt(tl.sum(ss, axis=1) / K + eps)
+
+
+@triton.jit
 def _skinny_linear_kernel(
-    X, X2, W, Bias, Y, Part, Counters,
-    M, N, K, k_per_split,
-    stride_xm, stride_x2m, stride_wn, stride_ym,
+    X, X2, W, Bias, Y, Part, Counters, NW, H,
+    M, N, K, k_per_split, eps,
+    stride_xm, stride_x2m, stride_wn, stride_ym, stride_hm,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, SOFT_BF16: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+    SOFT_BF16: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """``Y[:M] = h @ W^T (+ Bias)`` with ``h = X`` or, with ``SILU_MUL``, ``h = silu(X) * X2``
-    (fp32, rounded to X's dtype). X, X2: ``[M, K]`` rows ``stride_xm`` / ``stride_x2m`` apart;
-    W: ``[N, K]`` rows ``stride_wn`` apart; Y: ``[M, N]`` rows ``stride_ym`` apart.
+    """``Y[:M] = h @ W^T (+ Bias)`` with ``h = X``; with ``SILU_MUL``, ``h = silu(X) * X2``
+    (fp32, rounded to X's dtype); with ``NORM``, ``h = NW * rmsnorm(X)`` (HF's RMSNorm, ``eps``)
+    or, with ``RESIDUAL`` too, of ``X + X2``, whose rows program (0, 0) also stores in H
+    (``[M, K]`` rows ``stride_hm`` apart). X, X2: ``[M, K]`` rows ``stride_xm`` / ``stride_x2m``
+    apart; NW: ``[K]``; W: ``[N, K]`` rows ``stride_wn`` apart; Y: ``[M, N]`` rows ``stride_ym`` apart.
     Part: ``[SPLIT_K, ROWS, N]`` fp32 partials; Counters: ``[>= cdiv(N, BLOCK_N)]`` int32 zeros
     (read only when ``SPLIT_K > 1``). A program's K range is ``k_per_split`` long, a multiple
     of ``BLOCK_K``, so no chunk straddles two splits. ``SOFT_BF16``: round to bf16 by integer
@@ -140,7 +191,10 @@ def _skinny_linear_kernel(
     else:
         k_lo = tl.program_id(1) * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, K)
+    h_rows = H + rows.to(tl.int64)[:, None] * stride_hm  # [ROWS, 1] (written with RESIDUAL only)
+    DTYPE = X.dtype.element_ty
     acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    rstd = tl.zeros([ROWS], dtype=tl.float32)  # read with NORM only
     k_first = k_lo
     if USE_PDL:
         # The weight is no earlier kernel's output: its first chunk loads while the kernel
@@ -151,10 +205,16 @@ def _skinny_linear_kernel(
                     eviction_policy="evict_first")  # fmt: skip
         gdc_wait()
         gdc_launch_dependents()
+        if NORM:  # the row statistics need all of x: every program reads it once (from L2)
+            h_count = tl.where((pid_n == 0) & (tl.program_id(1) == 0), M, 0)
+            rstd = _rms_rstd(x_rows, x2_rows, h_rows, K, eps, mask_m, h_count, ROWS, BLOCK_K, RESIDUAL, DTYPE, SOFT_BF16)
         mask_x = mask_m[:, None] & mask_k[None, :]
-        h = _rows_chunk(x_rows, x2_rows, offs_k, mask_x, SILU_MUL, X.dtype.element_ty, SOFT_BF16)
+        h = _rows_chunk(x_rows, x2_rows, NW, rstd, offs_k, mask_x, mask_k, SILU_MUL, NORM, RESIDUAL, DTYPE, SOFT_BF16)
         acc += h[:, None, :] * w.to(tl.float32)[None, :, :]
         k_first = k_lo + BLOCK_K
+    elif NORM:
+        h_count = tl.where((pid_n == 0) & (tl.program_id(1) == 0), M, 0)
+        rstd = _rms_rstd(x_rows, x2_rows, h_rows, K, eps, mask_m, h_count, ROWS, BLOCK_K, RESIDUAL, DTYPE, SOFT_BF16)
     for k0 in range(k_first, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
         mask_k = offs_k < K
@@ -162,7 +222,7 @@ def _skinny_linear_kernel(
         w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
                     eviction_policy="evict_first")  # fmt: skip
         mask_x = mask_m[:, None] & mask_k[None, :]
-        h = _rows_chunk(x_rows, x2_rows, offs_k, mask_x, SILU_MUL, X.dtype.element_ty, SOFT_BF16)
+        h = _rows_chunk(x_rows, x2_rows, NW, rstd, offs_k, mask_x, mask_k, SILU_MUL, NORM, RESIDUAL, DTYPE, SOFT_BF16)
         acc += h[:, None, :] * w.to(tl.float32)[None, :, :]  # [ROWS, BLOCK_N, BLOCK_K]
     res = tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
     y_ptrs = Y + rows[:, None] * stride_ym + offs_n[None, :]
@@ -201,10 +261,11 @@ def _pow2_floor(v: int) -> int:
     return 1 << (max(int(v), 1).bit_length() - 1)
 
 
-def default_config(m: int, n: int, k: int, *, silu_mul: bool = False) -> dict[str, int]:
+def default_config(m: int, n: int, k: int, *, silu_mul: bool = False, norm: bool = False) -> dict[str, int]:
     """Launch configuration for ``m`` rows of ``[n, k]`` weights (16-bit, H200-sized).
 
-    A `TUNED` (or `TUNED_SILU_MUL`) entry for ``(rows_padded(m), n, k)`` wins. Otherwise:
+    A `TUNED` (or `TUNED_SILU_MUL`, `TUNED_NORM`) entry for ``(rows_padded(m), n, k)`` wins
+    (``norm`` without an entry of its own: `TUNED`'s). Otherwise:
 
     * ``BLOCK_K``: 512 up to 4 rows, 256 for 8 (a thread's 16-byte vectors of bf16 along K),
       no wider than ``k`` rounded up to a power of two (at least 64);
@@ -219,7 +280,8 @@ def default_config(m: int, n: int, k: int, *, silu_mul: bool = False) -> dict[st
     for `TUNED`.
     """
     rows = rows_padded(m)
-    tuned = (TUNED_SILU_MUL if silu_mul else TUNED).get((rows, int(n), int(k)))
+    key = (rows, int(n), int(k))
+    tuned = TUNED_SILU_MUL.get(key) if silu_mul else TUNED_NORM.get(key, TUNED.get(key)) if norm else TUNED.get(key)
     if tuned is not None:
         return dict(tuned)
     block_k = 512 if rows <= 4 else 256
@@ -319,13 +381,19 @@ def _check_rows(name: str, t: torch.Tensor, what: str) -> None:
         raise InputError(f"{what}: {name} must be contiguous in its last dimension; got strides {tuple(t.stride())}")
 
 
-def _launch(x, x2, weight, bias, out, config, silu_mul: bool) -> torch.Tensor:
-    """Launch the kernel for validated operands (``x``, ``x2``: ``[M, K]``; ``out``: ``[M, N]``)."""
+def _launch(x, x2, weight, bias, out, config, silu_mul: bool, norm_weight=None, eps: float = 0.0, h_out=None) -> torch.Tensor:
+    """Launch the kernel for validated operands (``x``, ``x2``: ``[M, K]``; ``out``: ``[M, N]``;
+    with ``norm_weight`` ``[K]`` the RMSNorm prologue, of ``x + x2`` into ``h_out`` when ``x2``
+    is given)."""
     m, k = x.shape
     n = weight.shape[0]
+    norm = norm_weight is not None
+    residual = norm and x2 is not None
     if m == 0 or n == 0:
+        if residual and m:
+            h_out.copy_((x.float() + x2.float()).to(x.dtype))
         return out
-    cfg = default_config(m, n, k, silu_mul=silu_mul) if config is None else _check_config(config)
+    cfg = default_config(m, n, k, silu_mul=silu_mul, norm=norm) if config is None else _check_config(config)
     block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]
     # each split's K range: a multiple of BLOCK_K; the splits that remain non-empty
     k_per_split = triton.cdiv(triton.cdiv(k, cfg["SPLIT_K"]), block_k) * block_k if k else block_k
@@ -338,16 +406,19 @@ def _launch(x, x2, weight, bias, out, config, silu_mul: bool) -> torch.Tensor:
             split_k, k_per_split, counters = 1, k, out
         else:
             part = torch.empty((split_k, rows_padded(m), n), dtype=torch.float32, device=x.device)
-    x2 = x2 if x2 is not None else x  # the kernel reads it with SILU_MUL only
+    x2 = x2 if x2 is not None else x  # the kernel reads it with SILU_MUL or RESIDUAL only
+    h_out = h_out if h_out is not None else x  # written with RESIDUAL only
+    norm_weight = norm_weight if norm else x  # read with NORM only
     use_pdl = pdl.enabled(x.device)
     # Triton launches on the current device
     guard = torch.cuda.device(x.device) if x.is_cuda and x.device.index != torch.cuda.current_device() else nullcontext()
     with guard:
         _skinny_linear_kernel[(blocks, split_k)](
-            x, x2, weight, bias if bias is not None else weight, out, part, counters,
-            m, n, k, k_per_split, x.stride(0), x2.stride(0), weight.stride(0), out.stride(0),
+            x, x2, weight, bias if bias is not None else weight, out, part, counters, norm_weight, h_out,
+            m, n, k, k_per_split, float(eps), x.stride(0), x2.stride(0), weight.stride(0), out.stride(0), h_out.stride(0),
             ROWS=rows_padded(m), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-            HAS_BIAS=bias is not None, SILU_MUL=silu_mul, SOFT_BF16=x.dtype == torch.bfloat16 and interpreting(),
+            HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm, RESIDUAL=residual,
+            SOFT_BF16=x.dtype == torch.bfloat16 and interpreting(),
             USE_PDL=use_pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch_options(use_pdl),
         )  # fmt: skip
     return out
@@ -405,6 +476,52 @@ def skinny_silu_mul_linear(
     n = _check_weight(weight, a.shape[1], a, what)
     out = _check_out(out, a, a.shape[0], n)
     return _launch(a, b, weight, None, out, config, silu_mul=True)
+
+
+def skinny_rms_norm_linear(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    h_out: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """``F.linear(rms_norm(h), weight, bias)`` for a few rows, HF's RMSNorm folded into the
+    loads: ``h = x`` or, with ``residual``, ``h = x + residual`` (rounded to x's dtype, written
+    to ``h_out``: the residual stream the model reads next); ``rms_norm(h) = norm_weight *
+    (h * rsqrt(mean(h^2) + eps)).to(dtype)`` in fp32 with HF's two roundings.
+
+    ``x``, ``residual``: ``[M, K]`` (``M <= MAX_ROWS``; unit stride along K); ``norm_weight``:
+    ``[K]`` contiguous; ``weight``: ``[N, K]`` contiguous; ``bias``: ``[N]`` or None ->
+    ``[M, N]``. ``h_out``: ``[M, K]`` (a new one when None and ``residual`` is given).
+    ``out``, ``config``: as for `skinny_linear`.
+    """
+    what = "skinny_rms_norm_linear"
+    _check_rows("x", x, what)
+    k = x.shape[1]
+    if residual is not None:
+        _check_rows("residual", residual, what)
+        if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+            raise InputError(f"{what}: residual must match x ({x.dtype} {tuple(x.shape)} on {x.device}); got "
+                             f"{residual.dtype} {tuple(residual.shape)} on {residual.device}")  # fmt: skip
+        h_out = _check_out(h_out, x, x.shape[0], k)
+    elif h_out is not None:
+        raise InputError(f"{what}: h_out is written only with a residual")
+    if tuple(norm_weight.shape) != (k,) or norm_weight.dtype != x.dtype or norm_weight.device != x.device or (
+        k > 1 and norm_weight.stride(0) != 1
+    ):
+        raise InputError(f"{what}: norm_weight must be a contiguous {x.dtype} [{k}] on {x.device}; got "
+                         f"{norm_weight.dtype} {tuple(norm_weight.shape)}")  # fmt: skip
+    n = _check_weight(weight, k, x, what)
+    if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype != x.dtype or bias.device != x.device
+                             or (n > 1 and bias.stride(0) != 1)):  # fmt: skip
+        raise InputError(f"{what}: bias must be a contiguous {x.dtype} [{n}] on {x.device}; got {bias.dtype} {tuple(bias.shape)}")
+    out = _check_out(out, x, x.shape[0], n)
+    return _launch(x, residual, weight, bias, out, config, silu_mul=False, norm_weight=norm_weight, eps=eps, h_out=h_out)
 
 
 # ----------------------------------------------------------------------------- silu(a) * b alone

@@ -158,6 +158,7 @@ def main() -> None:
                    help="attngraph's decoding loop: chunks (multi-step graphs: greedy without processors) and/or "
                         "steps (a step at a time, as with any logits processor), comma-separated")  # fmt: skip
     p.add_argument("--skinny", default="on", help="CompileConfig.skinny_linears: on (the default on CUDA) and/or off, comma-separated")
+    p.add_argument("--fold-rms-norm", default="on", help="CompileConfig.fold_rms_norm: on (the default) and/or off, comma-separated")
     p.add_argument("--pdl", default="on",
                    help="programmatic dependent launch (attngraph.pdl): on (attngraph's kernels and inductor's), ours "
                         "(attngraph's kernels only) and/or off, comma-separated")  # fmt: skip
@@ -170,6 +171,8 @@ def main() -> None:
     args = p.parse_args()
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
+    if bad := [v for v in args.fold_rms_norm.split(",") if v not in ("on", "off")]:
+        p.error(f"--fold-rms-norm takes on and/or off; got {', '.join(bad)}")
     if bad := [v for v in args.pdl.split(",") if v not in PDL_LABELS]:
         p.error(f"--pdl takes {', '.join(PDL_LABELS)}; got {', '.join(bad)}")
     if bad := [v for v in args.one_row_limit.split(",") if v != "default" and not (v.isdigit() and int(v) > 0)]:
@@ -210,18 +213,20 @@ def main() -> None:
                     except Exception as exc:
                         add("HF static cache + torch.compile", b, error=f"{type(exc).__name__}: {exc}"[:500])
                     torch._dynamo.reset()
-        variants = [(name, skinny, pdl, limit) for name in args.backends.split(",") if name
-                    for skinny in args.skinny.split(",") for pdl in args.pdl.split(",")
+        variants = [(name, skinny, fold, pdl, limit) for name in args.backends.split(",") if name
+                    for skinny in args.skinny.split(",") for fold in args.fold_rms_norm.split(",") for pdl in args.pdl.split(",")
                     for limit in args.one_row_limit.split(",")]  # fmt: skip
-        for name, skinny, pdl, limit in variants:
+        for name, skinny, fold, pdl, limit in variants:
             label = f"attngraph[{name}]" + ("" if skinny == "on" else " skinny_linears=False") + PDL_LABELS[pdl]
+            label += "" if fold == "on" else " fold_rms_norm=False"
             label += "" if limit == "default" else f" one-row GEMV <= {limit}"
             attngraph.pdl.ENABLED, attngraph.pdl.INDUCTOR = pdl != "off", pdl == "on"  # read at compile and capture
             linear_ops.KERNEL_MAX_WEIGHT_ONE_ROW = ONE_ROW_DEFAULT if limit == "default" else int(limit)
             m = copy.deepcopy(model)
             t0 = time.perf_counter()
             try:
-                attngraph.accelerate(m, attention_backend=name, kv_cache_tokens=1 << 15, skinny_linears=skinny == "on")
+                attngraph.accelerate(m, attention_backend=name, kv_cache_tokens=1 << 15, skinny_linears=skinny == "on",
+                                    fold_rms_norm=fold == "on")  # fmt: skip
             except Exception as exc:  # report and go on with the next backend
                 add(label, 0, error=f"{type(exc).__name__}: {exc}"[:500])
                 continue

@@ -19,6 +19,7 @@ from ..errors import ConfigError
 from ..passes import fx_utils as fu
 from ..passes.site import AttentionSite
 from ..passes.fuse_linears import fuse_linears
+from ..passes.fold_rms_norm import fold_rms_norm
 from ..passes.skinny_linears import skinny_linears
 from ..passes.token_mixing import TokenMixingOp, check_token_mixing
 from ..forward_context import ForwardContext, use_forward_context
@@ -73,6 +74,7 @@ class AttnGraphBackend:
         self.compile_hook = compile_hook
         self.fused_linears: list = []  # a passes.fuse_linears.FuseResult per paged graph
         self.skinny_results: list = []  # a passes.skinny_linears.SkinnyResult per paged graph rewritten
+        self.norm_results: list = []  # a passes.fold_rms_norm.FoldNormResult per paged graph rewritten
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         input_names = user_input_names(gm)  # read before the passes rewrite the graph
@@ -137,6 +139,8 @@ class AttnGraphBackend:
             graph.output(graph.graph_copy(gm.graph, {}))
             gm = fx.GraphModule(gm, graph)
         self.skinny_results.append(skinny_linears(gm, token_inputs=self.token_inputs, row_index_inputs=self.row_index_inputs))
+        if self.config.fold_rms_norm:
+            self.norm_results.append(fold_rms_norm(gm))
         return gm
 
     def _token_mixing(self, gm: fx.GraphModule) -> list[TokenMixingOp]:

@@ -160,6 +160,13 @@ def test_accelerated_generate_with_the_rewrite_equals_hf(arch, impl):
         assert r.rows["logits"] == linear_ops.LOGIT_ROWS and set(kinds.values()) == {linear_ops.TOKEN_ROWS}
     if arch != "gpt_oss":  # its experts are batched matmuls, not linears
         assert sum(len(r.silu_mul) for r in results) == model.config.num_hidden_layers
+    # every norm in front of a projection (two per layer; not the final one, gathered first)
+    # folds into it, each but the first with the residual add before it; gpt_oss's norm
+    # multiplies in fp32 before rounding: another norm, left alone
+    folded = state_of(model).runner.ragged.backend.norm_results
+    layers = model.config.num_hidden_layers
+    want = (0, 0) if arch == "gpt_oss" else (2 * layers, 2 * layers - 1)
+    assert (sum(len(r.folded) for r in folded), sum(len(r.with_residual) for r in folded)) == (want[0] * len(folded), want[1] * len(folded))
 
 
 def test_linears_above_the_weight_limit_stay_cublas_and_keep_inductors_product():

@@ -1,0 +1,236 @@
+"""HF's RMSNorm (after a residual add) folded into the skinny GEMV
+(`skinny_linear.skinny_rms_norm_linear`), the standalone norm kernel (`attngraph.rms_norm`) and
+the ops over both (`linear_ops.rms_norm_linear`, `add_rms_norm_linear`).
+
+References are HF's own `LlamaRMSNorm` (op for op) and fp64 products of its output. The
+kernel's row statistics sum in another order than torch's, so a normed element may round one
+ulp apart: the products get room for that (`norm_slack`); the residual sum ``h`` must be
+bit-equal. Outputs start as NaN (`poison_empty`), so unwritten elements show up.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+pytest.importorskip("triton")
+
+from attngraph import linear_ops  # noqa: E402
+from attngraph import rms_norm  # noqa: E402
+from attngraph import skinny_linear as sl  # noqa: E402
+from attngraph.errors import InputError  # noqa: E402
+
+from .test_skinny_linear import (  # noqa: E402,F401
+    DTYPES,
+    ROUND,
+    _padded_step,
+    _poison_empty,
+    assert_close_to_reference,
+    config,
+    device,
+    kernel_ops,
+    launches,
+    rand,
+)
+
+
+def hf_norm(h: torch.Tensor, nw: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm with weight ``nw`` applied to ``h``."""
+    mod = LlamaRMSNorm(h.shape[-1], eps=eps).to(device=h.device, dtype=h.dtype)
+    with torch.no_grad():
+        mod.weight.copy_(nw)
+        return mod(h)
+
+
+def norm_slack(normed: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Room for normed elements one ulp apart (two roundings) between torch and the kernel."""
+    return 2 * ROUND[normed.dtype] * (normed.double().abs() @ w.double().abs().T)
+
+
+def make_norm(seed: int, m: int, n: int, k: int, dtype, device, *, bias: bool = False, row_pad: int = 0):
+    """``x, residual: [m, k]`` (rows ``k + row_pad`` apart), ``nw: [k]``, ``w: [n, k]``, ``b``."""
+    gen = torch.Generator().manual_seed(seed)
+    x = rand(gen, m, k + row_pad, dtype=dtype, device=device, scale=2.0)[:, :k]
+    r = rand(gen, m, k + row_pad, dtype=dtype, device=device)[:, :k]
+    nw = rand(gen, k, dtype=dtype, device=device) + 1.0
+    w = rand(gen, n, k, dtype=dtype, device=device, scale=k**-0.5)
+    b = rand(gen, n, dtype=dtype, device=device) if bias else None
+    return x, r, nw, w, b
+
+
+# ----------------------------------------------------------------------------- the GEMV launcher
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add_norm"])
+def test_norm_linear_matches_hf(device, dtype, m, residual):
+    """N and K tails (37 x 100), strided rows, bias; ``h`` bit-equal to torch's addition."""
+    x, r, nw, w, b = make_norm(m * 5 + residual, m, 37, 100, dtype, device, bias=True, row_pad=9 if m % 2 else 0)
+    eps = 1e-5
+    h_want = x + r if residual else x
+    normed = hf_norm(h_want, nw, eps)
+    if residual:
+        h = torch.empty(m, 100, dtype=dtype, device=device)
+        y = sl.skinny_rms_norm_linear(x, nw, eps, w, b, residual=r, h_out=h)
+        assert torch.equal(h, h_want)
+    else:
+        y = sl.skinny_rms_norm_linear(x, nw, eps, w, b)
+    assert_close_to_reference(y, normed, w, b, norm_slack(normed, w))
+
+
+@pytest.mark.parametrize(
+    "cfg", [config(4, 32), config(16, 64, 4), config(8, 32, 2, 2, split=2), config(4, 32, split=4)],
+    ids=lambda c: "n{BLOCK_N}-k{BLOCK_K}-split{SPLIT_K}".format(**c),
+)
+def test_norm_linear_configs(device, cfg):
+    """Several K chunks per program (the statistics loop too), K tails, split K: ``h`` is
+    written once, whole, by one program."""
+    x, r, nw, w, b = make_norm(cfg["BLOCK_N"] + cfg["SPLIT_K"], 3, 41, 100, torch.bfloat16, device)
+    h = torch.empty(3, 100, dtype=torch.bfloat16, device=device)
+    y = sl.skinny_rms_norm_linear(x, nw, 1e-6, w, residual=r, h_out=h, config=cfg)
+    assert torch.equal(h, x + r)
+    normed = hf_norm(x + r, nw, 1e-6)
+    assert_close_to_reference(y, normed, w, None, norm_slack(normed, w))
+
+
+def test_norm_rounds_like_hf(device):
+    """With an identity weight the GEMV's output is its normed input: HF's normed row, all
+    but a few elements bit-equal (the statistics' summation order aside)."""
+    gen = torch.Generator().manual_seed(3)
+    x = rand(gen, 2, 64, dtype=torch.bfloat16, device=device, scale=3.0)
+    nw = rand(gen, 64, dtype=torch.bfloat16, device=device) + 1.0
+    eye = torch.eye(64, dtype=torch.bfloat16, device=device)
+    y = sl.skinny_rms_norm_linear(x, nw, 1e-6, eye)
+    want = hf_norm(x, nw, 1e-6)
+    assert (y != want).float().mean().item() < 0.05
+    assert ((y.float() - want.float()).abs() <= 2 * ROUND[torch.bfloat16] * want.float().abs()).all()
+
+
+def test_norm_launcher_refusals(device):
+    x, r, nw, w, _ = make_norm(4, 2, 8, 16, torch.bfloat16, device)
+    with pytest.raises(InputError, match="residual must match"):
+        sl.skinny_rms_norm_linear(x, nw, 1e-6, w, residual=r[:1])
+    with pytest.raises(InputError, match="norm_weight must be"):
+        sl.skinny_rms_norm_linear(x, nw[:8], 1e-6, w)
+    with pytest.raises(InputError, match="h_out is written only"):
+        sl.skinny_rms_norm_linear(x, nw, 1e-6, w, h_out=torch.empty_like(x))
+    with pytest.raises(InputError, match="weight must be"):
+        sl.skinny_rms_norm_linear(x, nw, 1e-6, w[:, :8])
+
+
+# ----------------------------------------------------------------------------- the standalone norm
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add_norm"])
+def test_standalone_norm_matches_hf(device, dtype, residual):
+    x, r, nw, _, _ = make_norm(7 + residual, 5, 1, 300, dtype, device, row_pad=4)
+    y, h = rms_norm.add_rms_norm(x, nw, 1e-6, r if residual else None)
+    h_want = x + r if residual else x
+    assert (h is None) == (not residual) and (h is None or torch.equal(h, h_want))
+    want = hf_norm(h_want, nw, 1e-6)
+    assert not y.isnan().any()
+    assert ((y.double() - want.double()).abs() <= 2 * ROUND[dtype] * want.double().abs() + 1e-30).all()
+
+
+def test_standalone_norm_refusals(device):
+    x, r, nw, _, _ = make_norm(8, 2, 1, 16, torch.bfloat16, device)
+    with pytest.raises(InputError, match="norm_weight must be"):
+        rms_norm.add_rms_norm(x, nw.float(), 1e-6)
+    with pytest.raises(InputError, match="x \\(and residual\\)"):
+        rms_norm.add_rms_norm(x, nw, 1e-6, r[:, :8])
+    with pytest.raises(InputError, match="at most"):
+        big = torch.zeros(1, rms_norm.MAX_K + 1, dtype=torch.bfloat16, device=device)
+        rms_norm.add_rms_norm(big, torch.ones(rms_norm.MAX_K + 1, dtype=torch.bfloat16, device=device), 1e-6)
+
+
+# ----------------------------------------------------------------------------- the ops
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add_norm"])
+def test_ops_run_the_folded_kernel(kernel_ops, launches, residual):
+    device = kernel_ops
+    x, r, nw, w, b = make_norm(9, 2, 37, 100, torch.bfloat16, device, bias=True)
+    x3, r3 = x.unsqueeze(0), r.unsqueeze(0)  # [1, N, K]: a ragged step's rows
+    if residual:
+        y, h = torch.ops.attngraph.add_rms_norm_linear(x3, r3, nw, 1e-6, w, b)
+        want_y = sl.skinny_rms_norm_linear(x, nw, 1e-6, w, b, residual=r)
+        assert torch.equal(h[0], x + r)
+    else:
+        y = torch.ops.attngraph.rms_norm_linear(x3, nw, 1e-6, w, b)
+        want_y = sl.skinny_rms_norm_linear(x, nw, 1e-6, w, b)
+    assert len(launches) == 2 and y.shape == (1, 2, 37) and torch.equal(y[0], want_y)
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add_norm"])
+def test_ops_past_the_kernel_run_one_norm_then_cublas(kernel_ops, launches, monkeypatch, residual):
+    """Rows past the GEMV's limit: the standalone norm kernel, then ``F.linear``."""
+    device = kernel_ops
+    monkeypatch.setattr(linear_ops, "KERNEL_MAX_ROWS", 2)
+    norms = []
+    standalone = rms_norm.add_rms_norm
+    monkeypatch.setattr(rms_norm, "add_rms_norm", lambda *a: norms.append(1) or standalone(*a))
+    x, r, nw, w, b = make_norm(10, 5, 37, 100, torch.bfloat16, device, bias=True)
+    if residual:
+        y, h = torch.ops.attngraph.add_rms_norm_linear(x, r, nw, 1e-6, w, b)
+        assert torch.equal(h, x + r)
+    else:
+        y = torch.ops.attngraph.rms_norm_linear(x, nw, 1e-6, w, b)
+    normed, _ = standalone(x, nw, 1e-6, r if residual else None)
+    assert not launches and norms == [1]
+    assert torch.equal(y, F.linear(normed, w, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_ops_on_the_torch_path_equal_hf(dtype):
+    """No kernels (the CPU without the interpreter): HF's norm op for op, then F.linear: the
+    values of the graph before the fold, bit for bit."""
+    x, r, nw, w, b = make_norm(11, 3, 37, 100, dtype, "cpu", bias=True)
+    y, h = linear_ops.add_rms_norm_linear_impl(x, r, nw, 1e-6, w, b)
+    assert torch.equal(h, x + r)
+    assert torch.equal(y, F.linear(hf_norm(x + r, nw, 1e-6), w, b))
+    assert torch.equal(linear_ops.rms_norm_linear_impl(x, nw, 1e-6, w, b), F.linear(hf_norm(x, nw, 1e-6), w, b))
+
+
+def test_padded_step_computes_only_its_real_rows(kernel_ops, launches):
+    """A step of one real token padded to two: the real row of y and h equal the unpadded
+    result exactly; the padding row of both is left unwritten (NaN)."""
+    device = kernel_ops
+    x, r, nw, w, _ = make_norm(12, 2, 37, 100, torch.bfloat16, device)
+    with _padded_step(1, 1):
+        y, h = torch.ops.attngraph.add_rms_norm_linear(x[None], r[None], nw, 1e-6, w, None, linear_ops.TOKEN_ROWS)
+    want = sl.skinny_rms_norm_linear(x[:1], nw, 1e-6, w, residual=r[:1])
+    assert torch.equal(y[0, :1], want) and torch.equal(h[0, :1], x[:1] + r[:1])
+    assert y[0, 1:].isnan().all() and h[0, 1:].isnan().all()
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_opcheck(kernel_ops, monkeypatch, path):
+    device = kernel_ops
+    if path == "torch":
+        monkeypatch.setattr(linear_ops, "_use_kernel", lambda *args: False)
+    x, r, nw, w, b = make_norm(13, 3, 40, 64, torch.bfloat16, device, bias=True)
+    torch.library.opcheck(torch.ops.attngraph.rms_norm_linear.default, (x[None], nw, 1e-6, w, b))
+    torch.library.opcheck(torch.ops.attngraph.add_rms_norm_linear.default, (x, r, nw, 1e-6, w, None))
+    torch.library.opcheck(torch.ops.attngraph.add_rms_norm_linear.default, (x[None], r[None], nw, 1e-5, w, b, linear_ops.TOKEN_ROWS))
+
+
+def test_op_refusals():
+    x, r, nw, w, _ = make_norm(14, 2, 8, 16, torch.float32, "cpu")
+    with pytest.raises(InputError, match="residual must match"):
+        torch.ops.attngraph.add_rms_norm_linear(x, r[:1], nw, 1e-6, w)
+    with pytest.raises(InputError, match="norm_weight must be"):
+        torch.ops.attngraph.rms_norm_linear(x, nw[:4], 1e-6, w)
+    with pytest.raises(InputError, match="weight must be"):
+        torch.ops.attngraph.rms_norm_linear(x, nw, 1e-6, w.T)
+
+
+# ----------------------------------------------------------------------------- GPU only
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2])
+def test_gpu_projection_shapes(m):
+    """The folded GEMV at the 1B / 8B q/k/v and gate/up shapes, against HF's norm in fp64."""
+    for n, k in [(3072, 2048), (16384, 2048), (6144, 4096), (28672, 4096)]:
+        x, r, nw, w, _ = make_norm(n + m, m, n, k, torch.bfloat16, "cuda")
+        h = torch.empty_like(x)
+        y = sl.skinny_rms_norm_linear(x, nw, 1e-5, w, residual=r, h_out=h)
+        assert torch.equal(h, x + r)
+        normed = hf_norm(x + r, nw, 1e-5)
+        assert_close_to_reference(y, normed, w, None, norm_slack(normed, w))
