@@ -19,6 +19,7 @@ call, launch gaps included.
 
     python benchmarks/bench_skinny_gemm.py --out results/skinny_gemm.json
     python benchmarks/bench_skinny_gemm.py --quick   # ~12 configurations per shape, a few minutes
+    python benchmarks/bench_skinny_gemm.py --quick --norm --rows 1   # + RMSNorm folded into q/k/v, gate/up
 
 Prints a Markdown table (the default and the best configuration per shape and row count),
 writes one JSON object with every timing, and ends with the best configurations as the
@@ -41,12 +42,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_prefill import result_header  # noqa: E402
 
+from attngraph.rms_norm import add_rms_norm  # noqa: E402
 from attngraph.skinny_linear import (  # noqa: E402
     MAX_ROWS,
     NUM_SMS,
     default_config,
     rows_padded,
     skinny_linear,
+    skinny_rms_norm_linear,
     skinny_silu_mul_linear,
 )
 
@@ -225,6 +228,8 @@ def main() -> None:
     p.add_argument("--no-triton", action="store_true", help="only the BLAS libraries (cuBLAS, cuBLASLt)")
     p.add_argument("--inductor", action="store_true",
                    help="also inductor at static shapes (coordinate-descent tuning) and attngraph's exact-count compile")
+    p.add_argument("--norm", action="store_true",
+                   help="also q/k/v and gate/up behind a residual add + RMSNorm: one norm launch + cuBLAS against the fold")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.inductor:  # one compile per (shape, rows)
@@ -241,6 +246,7 @@ def main() -> None:
     rows_out = []
     tuned: dict[tuple[int, int, int], dict] = {}
     tuned_silu: dict[tuple[int, int, int], dict] = {}
+    tuned_norm: dict[tuple[int, int, int], dict] = {}
     print("| shape | proj | N x K | rows | floor us | cuBLAS us | cuBLASLt us | gemv default us | gemv best us | inductor us "
           "| exact us | best x floor | default config | best config |")  # fmt: skip
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
@@ -297,6 +303,25 @@ def main() -> None:
                           f"| {d_us:.2f} | {b_us:.2f} | {gated.get('inductor_us', nan):.2f} | {gated.get('exact_us', nan):.2f} "
                           f"| {best_us / floor_us:.2f} | {config_str(gated.get('gemv_default_config'))} "
                           f"| {config_str(gated.get('gemv_best'))} |")  # fmt: skip
+                if args.norm and name in ("qkv", "gate_up") and not args.no_triton and m <= MAX_ROWS:
+                    # the residual add + RMSNorm in front: one norm launch + cuBLAS, or folded into the GEMV
+                    r = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                    nw = torch.randn(k, device="cuda", dtype=torch.bfloat16) * 0.1 + 1.0
+                    h_out = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+                    normed, _ = add_rms_norm(x, nw, 1e-5, r)
+                    separate = time_calls([lambda w=w: F.linear(add_rms_norm(x, nw, 1e-5, r)[0], w) for w in ws])
+                    fold = lambda w, cfg: skinny_rms_norm_linear(x, nw, 1e-5, w, residual=r, out=out, h_out=h_out, config=cfg)  # noqa: E731
+                    default, timings = time_gemv(fold, ws, out, F.linear(normed.float(), ws[0].float()),
+                                                 sweep_configs(m, n, k, **grid))  # fmt: skip
+                    best = fastest(timings)
+                    record_best(tuned_norm, m, n, k, best)
+                    d_us, b_us = us_of(default), us_of(best)
+                    print(f"| {shape} | add+rmsnorm -> {name} | {n} x {k} | {m} | {floor_us:.2f} | norm + cuBLAS {separate:.2f} | "
+                          f"| {d_us:.2f} | {b_us:.2f} | | | {min(separate, b_us) / floor_us:.2f} | "
+                          f"{config_str(default_config(m, n, k, norm=True))} | {config_str(best)} |")  # fmt: skip
+                    normed_row = dict(separate_us=round(separate, 2), gemv_default=default, gemv_best=best, gemv_timings=timings)
+                else:
+                    normed_row = None
                 default, timings, best = None, [], None
                 if not args.no_triton and m <= MAX_ROWS:
                     default, timings = time_gemv(lambda w, cfg: skinny_linear(x, w, out=out, config=cfg), ws, out, ref,
@@ -312,15 +337,19 @@ def main() -> None:
                 rows_out.append(dict(shape=shape, proj=name, n=n, k=k, rows=m, floor_us=round(floor_us, 2),
                                      cublas_us=round(cublas, 2), cublaslt_us=round(blas["cublaslt"], 2),
                                      gemv_default=default, gemv_default_config=default_cfg, best=best, timings=timings,
-                                     inductor_static_us=round(ind_us, 2), exact_us=round(exact_us, 2), gated_down=gated))  # fmt: skip
+                                     inductor_static_us=round(ind_us, 2), exact_us=round(exact_us, 2), gated_down=gated,
+                                     normed=normed_row))  # fmt: skip
             del ws
             torch.cuda.empty_cache()
     print("\n# Best measured configurations, for attngraph/skinny_linear.py:")
     print(tuned_literal("TUNED", tuned))
     print(tuned_literal("TUNED_SILU_MUL", tuned_silu))
+    if tuned_norm:
+        print(tuned_literal("TUNED_NORM", tuned_norm))
     row = result_header("bench_skinny_gemm.py", copy_gbps=round(bw / 1e9), results=rows_out,
                         tuned={repr(key): cfg for key, cfg in sorted(tuned.items())},
-                        tuned_silu_mul={repr(key): cfg for key, cfg in sorted(tuned_silu.items())})  # fmt: skip
+                        tuned_silu_mul={repr(key): cfg for key, cfg in sorted(tuned_silu.items())},
+                        tuned_norm={repr(key): cfg for key, cfg in sorted(tuned_norm.items())})  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
             json.dump(row, f)
