@@ -6,15 +6,19 @@
 >>> absorb_mla(gm, sites)               # paged MLA: attend over the latent, kv_b absorbed
 >>> check_token_mixing(gm)              # ragged graphs: ops besides attention that mix tokens
 >>> fuse_linears(gm, real_inputs)       # q/k/v, gate/up: one GEMM on concatenated weights
+>>> skinny_linears(gm)                  # linears -> attngraph's GEMV ops, SiLU * up into down
+>>> fold_rms_norm(gm)                   # then: RMSNorm (+ residual add) into the GEMV reading it
 """
 
 from .absorb_mla import absorb_mla
 from .cleanup import cleanup
 from .find_attention import find_attention
+from .fold_rms_norm import FoldNormResult, fold_rms_norm
 from .fuse_linears import FuseResult, fuse_linears
 from .lower_attention import ATTENTION_OP, lower_attention
 from .mask_analysis import MaskPattern, NotProvable, analyze_mask
 from .site import AttentionSite
+from .skinny_linears import SkinnyResult, skinny_linears
 from .token_mixing import TokenMixingOp, check_token_mixing
 
 __all__ = [
@@ -28,7 +32,11 @@ __all__ = [
     "analyze_mask",
     "cleanup",
     "find_attention",
+    "FoldNormResult",
+    "fold_rms_norm",
     "FuseResult",
     "fuse_linears",
     "lower_attention",
+    "SkinnyResult",
+    "skinny_linears",
 ]
