@@ -68,6 +68,46 @@ def test_a_chain_of_pdl_gemvs_in_a_cuda_graph_equals_plain_launches(monkeypatch)
 
 
 @pytest.mark.gpu
+def test_a_chain_of_pdl_norm_folds_in_a_cuda_graph_equals_plain_launches(monkeypatch):
+    """A decoder layer's residual stream through the folded GEMVs and the standalone norm: each
+    folded GEMV reads the previous GEMV's output and the residual one program of the launch
+    before wrote. Replays equal launches without PDL bit for bit."""
+    from attngraph import rms_norm
+    from attngraph import skinny_linear as sl
+
+    device = _hopper()
+    gen = torch.Generator(device=device).manual_seed(33)
+    w_qkv, w_o, w_gu, w_down = [torch.randn(n, k, generator=gen, device=device).mul_(k**-0.5).to(torch.bfloat16)
+                                for n, k in ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192))]  # fmt: skip
+    nw = (torch.randn(2048, generator=gen, device=device) * 0.1 + 1).to(torch.bfloat16)
+    x_in = torch.empty(2, 2048, dtype=torch.bfloat16, device=device)
+
+    def layers():
+        h = x_in * 1.5  # a torch kernel (no PDL) produces the first residual
+        y = sl.skinny_rms_norm_linear(h, nw, 1e-5, w_qkv)
+        for _ in range(3):
+            o = sl.skinny_linear(y[:, :2048], w_o)
+            normed, h = rms_norm.add_rms_norm(o, nw, 1e-5, h)  # the norm in front of cuBLAS's gate/up
+            gu = sl.skinny_linear(normed, w_gu)
+            down = sl.skinny_silu_mul_linear(*gu.split(8192, dim=1), w_down)
+            h_next = torch.empty_like(h)
+            y = sl.skinny_rms_norm_linear(down, nw, 1e-5, w_qkv, residual=h, h_out=h_next)
+            h = h_next
+        return y, h
+
+    graph, out = _graph_of(layers)
+    for _ in range(3):
+        x_in.copy_(torch.randn(2, 2048, generator=gen, device=device))
+        graph.replay()
+        got = [t.clone() for t in out]
+        monkeypatch.setattr(pdl, "ENABLED", False)
+        want = layers()
+        monkeypatch.setattr(pdl, "ENABLED", True)
+        for g, w in zip(got, want):
+            assert torch.isfinite(w).all() and torch.equal(g, w)
+
+
+@pytest.mark.gpu
 def test_pdl_decode_attention_in_a_cuda_graph_equals_plain_launches(monkeypatch):
     """The fused decode kernel launched with PDL after a torch kernel that writes its q, in a
     CUDA graph: outputs and the stored K/V equal a launch without PDL."""
