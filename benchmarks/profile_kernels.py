@@ -7,6 +7,8 @@ step at batch ``--decode-batch`` (128-token context), prints:
 * ``gpu_ms``: the summed kernel time of one step, and ``kernels``: launches per step;
 * the time per kernel class (GEMM, split-K reduce, attention, inductor's fused kernels,
   K/V writes and copies, other), with the launch count of each;
+* the idle time between kernels inside a step, by the classes of the kernels on either side
+  (``gemm -> inductor_fused``: the GPU waits after a GEMM for the next launch);
 * the busiest kernels by name.
 
     python benchmarks/profile_kernels.py --backend triton --tokens 128,1024 --out x.json
@@ -68,6 +70,27 @@ def busy_us(intervals) -> float:
     return total + (hi - lo if hi is not None else 0)
 
 
+def idle_by_boundary(kernels, max_gap_us: float = 50.0) -> dict[str, list[float]]:
+    """Where the GPU idles between kernels: for each kernel, the time from the latest end of
+    the kernels before it to its start, summed per boundary ``"<class before> -> <class>"``
+    (`classify`), with the count. ``kernels``: ``(start, end, name)`` in microseconds; gaps
+    longer than ``max_gap_us`` (the host between steps) are left out.
+
+    >>> idle_by_boundary([(0, 4, "nvjet_gemm"), (6, 9, "triton_poi_fused_0"), (8, 12, "_skinny_linear_kernel")])
+    {'gemm -> inductor_fused': [2.0, 1]}
+    """
+    out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    last_end, last_name = None, None
+    for start, end, name in sorted(kernels):
+        if last_end is not None and 0 < start - last_end <= max_gap_us:
+            entry = out[f"{classify(last_name)} -> {classify(name)}"]
+            entry[0] += start - last_end
+            entry[1] += 1
+        if last_end is None or end > last_end:
+            last_end, last_name = end, name
+    return dict(out)
+
+
 def kernel_table(step, steps: int = 5) -> dict:
     """Per-step kernel time and launches of ``step``, by class and by name. ``gpu_ms``: the
     kernels' summed durations; ``gpu_busy_ms``: the time any kernel ran (`busy_us`)."""
@@ -84,7 +107,7 @@ def kernel_table(step, steps: int = 5) -> dict:
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        spans.append((e.time_range.start, e.time_range.end))
+        spans.append((e.time_range.start, e.time_range.end, e.name))
         entry = by_name[e.name]
         entry[0] += e.device_time_total / steps
         entry[1] += 1 / steps
@@ -96,7 +119,9 @@ def kernel_table(step, steps: int = 5) -> dict:
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:60]
     return {
         "gpu_ms": sum(us for us, _ in by_name.values()) / 1e3,
-        "gpu_busy_ms": busy_us(spans) / steps / 1e3,
+        "gpu_busy_ms": busy_us([span[:2] for span in spans]) / steps / 1e3,
+        "idle_us_by_boundary": {k: [round(us / steps, 1), round(n / steps)] for k, (us, n)
+                                in sorted(idle_by_boundary(spans).items(), key=lambda kv: -kv[1][0])},
         "kernels": round(sum(n for _, n in by_name.values())),
         "by_class_us": {k: [round(us, 1), round(n)] for k, (us, n) in sorted(by_class.items(), key=lambda kv: -kv[1][0])},
         "top_us": [[name[:110], round(us, 1), round(n)] for name, (us, n) in top],
@@ -155,6 +180,8 @@ def main() -> None:
         print(f"== {name}: gpu {row['gpu_ms']:.3f} ms, {row['kernels']} kernels")
         for cls, (us, n) in row["by_class_us"].items():
             print(f"   {cls:16s} {us:9.1f} us  {n:4d} launches")
+        for boundary, (us, n) in row["idle_us_by_boundary"].items():
+            print(f"   idle {us:9.1f} us  {n:4d}x  {boundary}")
         for kname, us, n in row["top_us"]:
             print(f"   {us:9.1f} us {n:4d}x  {kname}")
     if args.out:
