@@ -86,8 +86,7 @@ def _pair(node, targets, method: str | None = None) -> tuple | None:
     """The two operands of a binary call (function or method form), else None."""
     if not _is(node, targets, method) or node.kwargs:
         return None
-    args = node.args if node.op == "call_function" else node.args
-    return tuple(args) if len(args) == 2 else None
+    return tuple(node.args) if len(node.args) == 2 else None  # a method's receiver is args[0]
 
 
 def _last_dim_mean(node, ndim: int) -> fx.Node | None:
@@ -131,12 +130,8 @@ def _match_norm(x: fx.Node) -> tuple[fx.Node, fx.Node, float, list[fx.Node]] | s
                 continue
             h = up[0]
             h_t = _val(h)
-            if not isinstance(h_t, torch.Tensor) or h_t.dtype != dtype or nw_val.dtype != dtype:
-                return "the norm's dtypes differ from its input's"
-            if nw_val.shape[0] != h_t.shape[-1] or not isinstance(h_val, torch.Tensor) or h_val.dtype != dtype:
-                return "the norm weight does not match the input's last dimension"
             eps_add = _pair(r.args[0], ADD)
-            if eps_add is None:
+            if eps_add is None or not isinstance(h_t, torch.Tensor):
                 continue
             var, eps = eps_add if isinstance(eps_add[1], (int, float)) else eps_add[::-1]
             if not isinstance(eps, (int, float)) or isinstance(eps, bool):
@@ -145,6 +140,11 @@ def _match_norm(x: fx.Node) -> tuple[fx.Node, fx.Node, float, list[fx.Node]] | s
             powed = _pair(sq, POW, "pow") if sq is not None else None
             if powed is None or powed[0] is not hf or powed[1] not in (2, 2.0):
                 continue
+            # HF's RMSNorm, shape for shape; the fold computes it in h's dtype
+            if h_t.dtype != dtype or nw_val.dtype != dtype or not isinstance(h_val, torch.Tensor) or h_val.dtype != dtype:
+                return "the norm's dtypes differ from its input's"
+            if nw_val.shape[0] != h_t.shape[-1]:
+                return "the norm weight does not match the input's last dimension"
             chain = [x, t, normed, r, r.args[0], var, sq, hf]
             inner = {id(n) for n in chain}
             for node in chain[1:]:

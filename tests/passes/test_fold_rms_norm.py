@@ -134,3 +134,26 @@ def test_getitems_carry_the_outputs():
     gm, phs, real, result = rewritten(module, torch.randn(1, 3, 32))
     (op,) = [n for n in gm.graph.nodes if n.target in ADD_NORM_LINEAR]
     assert sorted(u.args[1] for u in op.users if u.target is operator.getitem) == [0, 1]
+
+
+def test_a_broadcast_norm_weight_is_refused():
+    """A one-element norm weight broadcasts over the row: not the ``[K]`` weight the op takes."""
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.nw = torch.nn.Parameter(torch.randn(1))
+            self.w = torch.nn.Parameter(torch.randn(8, 16))
+
+        def forward(self, h):
+            hf = h.to(torch.float32)
+            n = self.nw * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
+            return F.linear(n, self.w)
+
+    module = M()
+    gm, phs, real = traced(module, torch.randn(2, 16))
+    skinny_linears(gm, max_weight=None)
+    result = fold_rms_norm(gm)
+    assert not result.folded and "does not match the input's last dimension" in result.refused[0][1]
+    x = torch.randn(3, 16)
+    assert torch.equal(run_graph(gm, phs, real, x)[0], module(x))
