@@ -71,11 +71,20 @@ def add_rms_norm(
                                                    or residual.device != x.device)):  # fmt: skip
         raise InputError(f"{what}: x (and residual) must be [M, K] of one dtype and device; got {tuple(x.shape)}"
                          + ("" if residual is None else f" and {tuple(residual.shape)} {residual.dtype}"))  # fmt: skip
+    if x.device.type != "cuda" and not interpreting():
+        raise InputError(
+            f"{what}: x is on {x.device}; the kernel needs a CUDA device, or Triton's CPU interpreter "
+            "(TRITON_INTERPRET=1 set before importing attngraph) for CPU tensors"
+        )
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise InputError(f"{what}: x must be bfloat16, float16 or float32; got {x.dtype}")
     m, k = x.shape
     if k > MAX_K:
         raise InputError(f"{what}: rows of {k} elements; one program holds at most {MAX_K}")
-    if tuple(norm_weight.shape) != (k,) or norm_weight.dtype != x.dtype or (k > 1 and norm_weight.stride(0) != 1):
-        raise InputError(f"{what}: norm_weight must be a contiguous {x.dtype} [{k}]; got {norm_weight.dtype} {tuple(norm_weight.shape)}")
+    if (tuple(norm_weight.shape) != (k,) or norm_weight.dtype != x.dtype or norm_weight.device != x.device
+            or (k > 1 and norm_weight.stride(0) != 1)):  # fmt: skip
+        raise InputError(f"{what}: norm_weight must be a contiguous {x.dtype} [{k}] on {x.device}; got "
+                         f"{norm_weight.dtype} {tuple(norm_weight.shape)} on {norm_weight.device}")  # fmt: skip
     if k > 1 and (x.stride(1) != 1 or (residual is not None and residual.stride(1) != 1)):
         raise InputError(f"{what}: x and residual must be contiguous in their last dimension")
     y = torch.empty((m, k), dtype=x.dtype, device=x.device)

@@ -138,9 +138,18 @@ def test_standalone_norm_refusals(device):
         rms_norm.add_rms_norm(x, nw.float(), 1e-6)
     with pytest.raises(InputError, match="x \\(and residual\\)"):
         rms_norm.add_rms_norm(x, nw, 1e-6, r[:, :8])
+    with pytest.raises(InputError, match="bfloat16, float16 or float32"):
+        rms_norm.add_rms_norm(x.to(torch.int32), nw.to(torch.int32), 1e-6)
     with pytest.raises(InputError, match="at most"):
         big = torch.zeros(1, rms_norm.MAX_K + 1, dtype=torch.bfloat16, device=device)
         rms_norm.add_rms_norm(big, torch.ones(rms_norm.MAX_K + 1, dtype=torch.bfloat16, device=device), 1e-6)
+
+
+def test_standalone_norm_refuses_cpu_tensors_without_the_interpreter(monkeypatch):
+    monkeypatch.setattr(rms_norm, "interpreting", lambda: False)
+    x = torch.randn(2, 16)
+    with pytest.raises(InputError, match="needs a CUDA device"):
+        rms_norm.add_rms_norm(x, torch.ones(16), 1e-6)
 
 
 # ----------------------------------------------------------------------------- the ops
