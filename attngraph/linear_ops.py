@@ -214,11 +214,19 @@ def _rms_norm_torch(h: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> t
     return norm_weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
 
 
+@functools.lru_cache(maxsize=1)
+def _norm_kernel():
+    """The `rms_norm` module (imported on first use, with Triton)."""
+    from . import rms_norm
+
+    return rms_norm
+
+
 def _norm_kernel_serves(x: torch.Tensor, norm_weight: torch.Tensor) -> bool:
     """Whether the standalone RMSNorm kernel (`attngraph.rms_norm`) runs these rows."""
     k = x.shape[-1]
-    return (x.dtype in _KERNEL_DTYPES and _kernel_serves(x.device) and 0 < k <= 16384 and norm_weight.is_contiguous()
-            and (k == 1 or x.stride(-1) == 1))  # fmt: skip
+    return (x.dtype in _KERNEL_DTYPES and _kernel_serves(x.device) and 0 < k <= _norm_kernel().MAX_K
+            and norm_weight.is_contiguous() and (k == 1 or x.stride(-1) == 1))  # fmt: skip
 
 
 def _check_norm(what: str, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor) -> None:
@@ -253,9 +261,7 @@ def _norm_linear(x, residual, norm_weight, eps, weight, bias, rows) -> tuple[tor
         )  # fmt: skip
         return y.view(*x.shape[:-1], n), None if h is None else h.view(x.shape)
     if m and _norm_kernel_serves(x, norm_weight) and (residual is None or residual.stride(-1) == 1 or k == 1):
-        from .rms_norm import add_rms_norm
-
-        normed, h = add_rms_norm(x.reshape(m, k), norm_weight, eps, None if residual is None else residual.reshape(m, k))
+        normed, h = _norm_kernel().add_rms_norm(x.reshape(m, k), norm_weight, eps, None if residual is None else residual.reshape(m, k))
         normed, h = normed.view(x.shape), None if h is None else h.view(x.shape)
     else:
         h = x + residual if residual is not None else None

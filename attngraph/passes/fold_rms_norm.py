@@ -35,13 +35,18 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from .. import linear_ops  # registers the ops the pass writes
+from . import fx_utils as fu
+
 logger = logging.getLogger(__name__)
 
+# function targets and method names (`fx_utils.is_op` matches either)
 MUL = (operator.mul, torch.mul, torch.ops.aten.mul.Tensor)
 ADD = (operator.add, torch.add, torch.ops.aten.add.Tensor)
-RSQRT = (torch.rsqrt, torch.ops.aten.rsqrt.default)
-POW = (operator.pow, torch.pow)
-MEAN = (torch.mean,)
+RSQRT = (torch.rsqrt, torch.ops.aten.rsqrt.default, "rsqrt")
+POW = (operator.pow, torch.pow, "pow")
+MEAN = (torch.mean, "mean")
+LINEAR_OP = (torch.ops.attngraph.linear.default,)
 
 
 @dataclass
@@ -59,14 +64,6 @@ def _val(node):
     return node.meta.get("example_value") if isinstance(node, fx.Node) else None
 
 
-def _is(node, targets, method: str | None = None) -> bool:
-    if not isinstance(node, fx.Node):
-        return False
-    if node.op == "call_function" and node.target in targets:
-        return True
-    return method is not None and node.op == "call_method" and node.target == method
-
-
 def _to_dtype(node) -> tuple[fx.Node, torch.dtype] | None:
     """``(src, dtype)`` for ``src.to(dtype)`` / ``src.float()``, else None."""
     if not (isinstance(node, fx.Node) and node.op == "call_method" and isinstance(node.args[0], fx.Node)):
@@ -82,16 +79,16 @@ def _to_dtype(node) -> tuple[fx.Node, torch.dtype] | None:
     return None
 
 
-def _pair(node, targets, method: str | None = None) -> tuple | None:
+def _pair(node, targets) -> tuple | None:
     """The two operands of a binary call (function or method form), else None."""
-    if not _is(node, targets, method) or node.kwargs:
+    if not fu.is_op(node, targets) or node.kwargs:
         return None
     return tuple(node.args) if len(node.args) == 2 else None  # a method's receiver is args[0]
 
 
 def _last_dim_mean(node, ndim: int) -> fx.Node | None:
     """``p`` for ``p.mean(-1, keepdim=True)`` (or ``torch.mean``, dim as int or [int])."""
-    if not _is(node, MEAN, "mean"):
+    if not fu.is_op(node, MEAN):
         return None
     args, kwargs = list(node.args), dict(node.kwargs)
     names = ["input", "dim", "keepdim"]
@@ -126,7 +123,7 @@ def _match_norm(x: fx.Node) -> tuple[fx.Node, fx.Node, float, list[fx.Node]] | s
             continue
         for hf, r in (scaled, scaled[::-1]):
             up = _to_dtype(hf)
-            if up is None or up[1] != torch.float32 or not _is(r, RSQRT, "rsqrt") or len(r.args) != 1 or r.kwargs:
+            if up is None or up[1] != torch.float32 or not fu.is_op(r, RSQRT) or len(r.args) != 1 or r.kwargs:
                 continue
             h = up[0]
             h_t = _val(h)
@@ -137,7 +134,7 @@ def _match_norm(x: fx.Node) -> tuple[fx.Node, fx.Node, float, list[fx.Node]] | s
             if not isinstance(eps, (int, float)) or isinstance(eps, bool):
                 continue
             sq = _last_dim_mean(var, h_t.dim())
-            powed = _pair(sq, POW, "pow") if sq is not None else None
+            powed = _pair(sq, POW) if sq is not None else None
             if powed is None or powed[0] is not hf or powed[1] not in (2, 2.0):
                 continue
             # HF's RMSNorm, shape for shape; the fold computes it in h's dtype
@@ -168,7 +165,7 @@ def _foldable_residual(h: fx.Node, hf: fx.Node, linear: fx.Node, order: dict) ->
         t = _val(v)
         if not isinstance(t, torch.Tensor) or t.shape != h_val.shape or t.dtype != h_val.dtype:
             return None
-    if any(u is not hf and order[u] <= order[linear] for u in h.users):
+    if any(u is not hf and order.get(u, -1) <= order[linear] for u in h.users):
         return None
     return pair
 
@@ -176,12 +173,13 @@ def _foldable_residual(h: fx.Node, hf: fx.Node, linear: fx.Node, order: dict) ->
 def fold_rms_norm(gm: fx.GraphModule, fold_residual: bool = True) -> FoldNormResult:
     """Fold RMSNorms (and their residual adds) into ``attngraph.linear`` ops (module
     docstring). Mutates ``gm``; returns what it did."""
-    from .. import linear_ops  # registers the ops
-
     result = FoldNormResult()
     graph = gm.graph
+    # positions of the graph as it came: a fold's new nodes have none, and a residual read by
+    # one of them is not folded (`_foldable_residual`)
+    order = {n: i for i, n in enumerate(graph.nodes)}
     for linear in list(graph.nodes):
-        if not _is(linear, (torch.ops.attngraph.linear.default,)):
+        if not fu.is_op(linear, LINEAR_OP):
             continue
         x, w, b, rows = (list(linear.args) + [None, None, linear_ops.ANY_ROWS])[:4]
         if linear.kwargs or not isinstance(x, fx.Node):
@@ -193,7 +191,6 @@ def fold_rms_norm(gm: fx.GraphModule, fold_residual: bool = True) -> FoldNormRes
             result.refused.append((linear.name, match if isinstance(match, str) else "the norm is read by more than this linear"))
             continue
         h, nw, eps, chain = match
-        order = {n: i for i, n in enumerate(graph.nodes)}
         operands = _foldable_residual(h, chain[-1], linear, order) if fold_residual else None
         with graph.inserting_before(linear):
             if operands is None:
