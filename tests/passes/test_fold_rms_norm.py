@@ -99,22 +99,24 @@ def test_other_norms_are_not_matched():
     assert not result.folded and not result.refused and count(gm, LINEAR) == 2
 
 
-def test_the_fp32_input_read_elsewhere_is_refused():
-    def norm_then_linear(h, nw, w):
+class HandNorm(torch.nn.Module):
+    """HF's RMSNorm written out, then a linear; ``norm_width``: the norm weight's size (1
+    broadcasts); ``read_fp32``: the fp32 row is also summed and returned."""
+
+    def __init__(self, norm_width: int = 16, read_fp32: bool = False):
+        super().__init__()
+        self.nw = torch.nn.Parameter(torch.randn(norm_width))
+        self.w = torch.nn.Parameter(torch.randn(8, 16))
+        self.read_fp32 = read_fp32
+
+    def forward(self, h):
         hf = h.to(torch.float32)
-        n = nw * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
-        return F.linear(n, w), hf.sum()
+        y = F.linear(self.nw * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype), self.w)
+        return (y, hf.sum()) if self.read_fp32 else y
 
-    class M(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.nw = torch.nn.Parameter(torch.randn(16))
-            self.w = torch.nn.Parameter(torch.randn(8, 16))
 
-        def forward(self, h):
-            return norm_then_linear(h, self.nw, self.w)
-
-    gm, phs, real = traced(M(), torch.randn(2, 16))
+def test_the_fp32_input_read_elsewhere_is_refused():
+    gm, phs, real = traced(HandNorm(read_fp32=True), torch.randn(2, 16))
     skinny_linears(gm, max_weight=None)
     result = fold_rms_norm(gm)
     assert not result.folded and result.refused and "fp32 input is read elsewhere" in result.refused[0][1]
@@ -138,19 +140,7 @@ def test_getitems_carry_the_outputs():
 
 def test_a_broadcast_norm_weight_is_refused():
     """A one-element norm weight broadcasts over the row: not the ``[K]`` weight the op takes."""
-
-    class M(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.nw = torch.nn.Parameter(torch.randn(1))
-            self.w = torch.nn.Parameter(torch.randn(8, 16))
-
-        def forward(self, h):
-            hf = h.to(torch.float32)
-            n = self.nw * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
-            return F.linear(n, self.w)
-
-    module = M()
+    module = HandNorm(norm_width=1)
     gm, phs, real = traced(module, torch.randn(2, 16))
     skinny_linears(gm, max_weight=None)
     result = fold_rms_norm(gm)
