@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .host_copy import to_device
+
 if TYPE_CHECKING:
     from .runtime.kv_pool import KVPool
 
@@ -133,16 +135,16 @@ class ForwardBatch:
         out_cache_loc = kv_pool.slots_for(rows, prefix_cpu, extend_cpu)
         return cls(
             mode=mode,
-            input_ids=input_ids.to(device),
-            positions=positions.to(device=device, dtype=torch.int64),
-            req_pool_indices=rows.to(device),
-            seq_lens=seq_cpu.to(device),
+            input_ids=to_device(input_ids, device),
+            positions=to_device(positions, device, torch.int64),
+            req_pool_indices=to_device(rows, device),
+            seq_lens=to_device(seq_cpu, device),
             seq_lens_cpu=seq_cpu,
-            extend_seq_lens=extend_cpu.to(device),
+            extend_seq_lens=to_device(extend_cpu, device),
             extend_seq_lens_cpu=extend_cpu,
-            extend_prefix_lens=prefix_cpu.to(device),
+            extend_prefix_lens=to_device(prefix_cpu, device),
             extend_prefix_lens_cpu=prefix_cpu,
-            qo_indptr=qo_indptr_cpu.to(device),
+            qo_indptr=to_device(qo_indptr_cpu, device),
             out_cache_loc=out_cache_loc,
             kv_pool=kv_pool,
         )
@@ -177,11 +179,11 @@ class ForwardBatch:
         longs[:b] = prefix if positions is None else torch.tensor(positions, dtype=torch.int64)
         pages = kv_pool.req_to_page_cpu[ints[:b].long(), prefix // ps]
         torch.add(prefix % ps, pages.long(), alpha=ps, out=longs[b:])
-        ints_d = ints.to(kv_pool.device, non_blocking=True)
-        longs_d = longs.to(kv_pool.device, non_blocking=True)
+        ints_d = to_device(ints, kv_pool.device)
+        longs_d = to_device(longs, kv_pool.device)
         return cls(
             mode=ForwardMode.DECODE,
-            input_ids=input_ids.to(kv_pool.device),
+            input_ids=to_device(input_ids, kv_pool.device),
             positions=longs_d[:b],
             req_pool_indices=ints_d[:b],
             seq_lens=ints_d[b : 2 * b],

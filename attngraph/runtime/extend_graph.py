@@ -37,6 +37,7 @@ import torch
 from ..errors import CaptureError
 from ..forward_batch import ForwardBatch, ForwardMode
 from ..forward_context import ForwardContext, use_forward_context
+from ..host_copy import copy_to_device
 from .graph_memory import capture_step
 
 logger = logging.getLogger(__name__)
@@ -145,7 +146,7 @@ class ExtendGraphRunner:
         prefix[b + k :] = self.fill
         indptr[0] = 0
         torch.cumsum(ext, 0, out=indptr[1:])
-        self._ints.copy_(self._ints_cpu, non_blocking=True)
+        copy_to_device(self._ints, self._ints_cpu)
         if b:
             self._ints[:b].copy_(batch.req_pool_indices)
 

@@ -8,6 +8,7 @@ import math
 import torch
 
 from ..errors import KVCacheFullError
+from ..host_copy import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +179,7 @@ class KVPool:
             self.req_to_page_cpu[row, held:want] = torch.tensor(pages, dtype=torch.int32)
             have[row] = want
         idx = torch.tensor([row for row, _, _ in grow], dtype=torch.long)
-        self.req_to_page[idx.to(self.device)] = self.req_to_page_cpu[idx].to(self.device)
+        self.req_to_page[to_device(idx, self.device)] = to_device(self.req_to_page_cpu[idx], self.device)
 
     def truncate(self, row: int, num_tokens: int) -> None:
         """Keep the pages of the first ``num_tokens`` tokens of request ``row`` and return the
@@ -231,7 +232,7 @@ class KVPool:
         )
         pos = starts + offsets
         pages = self.req_to_page_cpu[row_ids, pos // self.page_size].long()
-        return (pages * self.page_size + pos % self.page_size).to(self.device)
+        return to_device(pages * self.page_size + pos % self.page_size, self.device)
 
     def write(self, layer_id: int, out_cache_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new K/V: ``k: [T, num_kv_heads, head_dim]`` at slots ``out_cache_loc: [T]``."""

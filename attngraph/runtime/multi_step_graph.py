@@ -28,6 +28,7 @@ import torch
 from ..errors import CaptureError
 from ..forward_batch import ForwardBatch, ForwardMode
 from ..forward_context import ForwardContext, use_forward_context
+from ..host_copy import copy_to_device
 from .graph_memory import capture_step
 from .ragged_model import graph_rows
 
@@ -118,11 +119,11 @@ class MultiStepDecodeGraphs:
             loc[:, :b] = pages * ps + held % ps
             seq[:, :b] = (held + 1).int()
             prefix[:, :b] = held.int()
-        self._longs[:, :steps, :bs].copy_(longs, non_blocking=True)
-        self._ints[:, :steps, :bs].copy_(ints, non_blocking=True)
+        copy_to_device(self._longs[:, :steps, :bs], longs)
+        copy_to_device(self._ints[:, :steps, :bs], ints)
         self.req_pool_indices[:bs].fill_(self.pad_row)
         if b:
-            self.req_pool_indices[:b].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
+            copy_to_device(self.req_pool_indices[:b], torch.tensor(rows, dtype=torch.int32))
             self.first_ids[:b].copy_(tokens)
         if b < bs:
             self.first_ids[b:bs].zero_()

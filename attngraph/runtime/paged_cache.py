@@ -14,6 +14,7 @@ from transformers.cache_utils import Cache
 
 from ..errors import AttnGraphError, InputError
 from ..forward_batch import ForwardBatch
+from ..host_copy import to_device
 from .kv_pool import KVPool
 
 
@@ -208,9 +209,9 @@ class PagedCache(Cache):
         prefix = [self.lengths[b] for b in seqs]
         new_lens = [n + c for n, c in zip(prefix, counts)]
         self.pool.reserve(rows, new_lens)  # all or nothing: raises before anything is written
-        positions = torch.tensor(
+        positions = to_device(torch.tensor(
             [self.next_positions[b] + i for b, c in zip(seqs, counts) for i in range(c)], dtype=torch.long
-        ).to(self.pool.device, non_blocking=True)
+        ), self.pool.device)
         batch = ForwardBatch.build(self.pool, rows, prefix, counts, tokens.long(), positions)
         logits = self.runner.forward_all(batch) if all_logits else self.runner.forward(batch)
         for b, n, c in zip(seqs, new_lens, counts):

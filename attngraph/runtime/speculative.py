@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
+from ..host_copy import to_device
 from .decode_loop import why_not_own_loop, check_call
 from .paged_cache import PagedCache
 
@@ -320,13 +321,13 @@ def _verify(cache: PagedCache, live: list[int], pending: list[int], proposal: _P
     device = cache.pool.device
     counts = [1 + c for c in proposal.counts]
     if proposal.device is None:
-        ids = torch.tensor([t for p, c in zip(pending, proposal.host) for t in [p] + c], dtype=torch.long, device=device)
+        ids = to_device(torch.tensor([t for p, c in zip(pending, proposal.host) for t in [p] + c], dtype=torch.long), device)
     else:  # [pending..., candidates...] permuted request-major: one copy up, one gather
         order, start = [], len(pending)
         for i, c in enumerate(proposal.counts):
             order += [i] + list(range(start, start + c))
             start += c
-        host = torch.tensor(pending + order, dtype=torch.long).to(device, non_blocking=True)
+        host = to_device(torch.tensor(pending + order, dtype=torch.long), device)
         ids = torch.cat([host[: len(pending)], proposal.device]).index_select(0, host[len(pending) :])
     # [T, V]; a round without candidates is a decode step: its graph serves it
     logits = cache.extend_each(live, ids, counts, all_logits=any(c > 1 for c in counts))
