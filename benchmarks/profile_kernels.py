@@ -143,6 +143,57 @@ def decode_step(runner, batch: int, context: int, vocab: int):
     return (lambda: runner.forward(fb)), free
 
 
+def generate_table(model, batch: int, prompt: int, new_tokens: int) -> dict:
+    """Where the wall time of a greedy ``model.generate`` goes: per decode step (the N-token
+    call's kernels, less the 1-token call's, over N - 1), the launches, the GPU busy time, and
+    the idle time between kernels by boundary and by gap length (the gaps inside the CUDA
+    graphs, and those where the device waits for the host)."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench_generate import prompts
+
+    ids, mask = prompts(model.config.vocab_size, batch, prompt)
+    kw = dict(attention_mask=mask, do_sample=False, pad_token_id=0, eos_token_id=None)
+
+    def run(n: int):
+        model.generate(ids, max_new_tokens=n, **kw)  # warm: compiles, captures
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            model.generate(ids, max_new_tokens=n, **kw)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA)  # fmt: skip
+        return wall * 1e6, spans
+
+    (w1, s1), (wn, sn) = run(1), run(new_tokens)
+    steps = new_tokens - 1
+
+    def gaps(spans):
+        bins = {"<2us": 0.0, "2-10us": 0.0, "10-50us": 0.0, ">50us": 0.0}
+        last = None
+        for start, end, _ in spans:
+            if last is not None and start > last:
+                g = start - last
+                bins["<2us" if g < 2 else "2-10us" if g < 10 else "10-50us" if g < 50 else ">50us"] += g
+            last = end if last is None else max(last, end)
+        return bins
+
+    g1, gn = gaps(s1), gaps(sn)
+    per_step = lambda a, b: round((b - a) / steps, 2)  # noqa: E731
+    return {
+        "wall_us_per_step": per_step(w1, wn),
+        "kernels_per_step": per_step(len(s1), len(sn)),
+        "busy_us_per_step": per_step(busy_us([s[:2] for s in s1]), busy_us([s[:2] for s in sn])),
+        "idle_us_per_step_by_gap": {k: per_step(g1[k], gn[k]) for k in gn},
+        "idle_us_per_step_by_boundary": {k: [round(us / steps, 2), round(n / steps, 2)] for k, (us, n) in
+                                         sorted(idle_by_boundary(sn, 1e9).items(), key=lambda kv: -kv[1][0])[:12]},
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", default="triton")
@@ -153,6 +204,8 @@ def main() -> None:
     p.add_argument("--trace-tokens", type=int, default=None, help="CompileConfig.trace_tokens")
     p.add_argument("--num-tokens", default=None, help="CompileConfig.cuda_graph_num_tokens, comma-separated")
     p.add_argument("--no-skinny", action="store_true", help="CompileConfig.skinny_linears=False (cuBLAS for every linear)")
+    p.add_argument("--generate", type=int, default=0,
+                   help="also profile a greedy model.generate of this many new tokens (prompt 128, --decode-batch rows)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -176,6 +229,9 @@ def main() -> None:
     step, free = decode_step(runner, args.decode_batch, 128, vocab)
     result["steps"][f"decode_b{args.decode_batch}"] = kernel_table(step)
     free()
+    if args.generate:
+        result["generate"] = generate_table(model, args.decode_batch, 128, args.generate)
+        print("== generate:", json.dumps(result["generate"], indent=1))
     for name, row in result["steps"].items():
         print(f"== {name}: gpu {row['gpu_ms']:.3f} ms, {row['kernels']} kernels")
         for cls, (us, n) in row["by_class_us"].items():
