@@ -127,8 +127,9 @@ class CompileConfig:
         their concatenated weights (`passes.fuse_linears`; the parameters become views of it).
     skinny_linears:
         Paged runtime: linears call `torch.ops.attngraph.linear`, a Triton GEMV for steps of
-        at most `skinny_linear.MAX_ROWS` token rows on CUDA (decode steps of small batches)
-        and ``torch.nn.functional.linear`` otherwise, with a gated MLP's ``silu(gate) * up``
+        one or two token rows on CUDA (`linear_ops.KERNEL_MAX_ROWS`), a tensor-core Triton
+        GEMM for 3-16 rows (`attngraph.skinny_dot`; decode steps of small batches) and
+        ``torch.nn.functional.linear`` otherwise, with a gated MLP's ``silu(gate) * up``
         computed inside its down projection's GEMV (`passes.skinny_linears`). ``None``: on
         for CUDA; ``True``: everywhere (on the CPU the ops run torch's linear: for testing
         the rewrite); ``False``: off.

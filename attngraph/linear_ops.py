@@ -1,7 +1,8 @@
 """`torch.ops.attngraph.linear`, `silu_mul_linear`, `rms_norm_linear` and
 `add_rms_norm_linear`: projections of a few token rows through the Triton GEMV of
 `attngraph.skinny_linear` (with SiLU * up, or a residual add and HF's RMSNorm, folded into its
-loads), torch for everything else.
+loads), 3-16 rows through the tensor-core kernel of `attngraph.skinny_dot` (a norm or SiLU * up
+runs its own launch first), torch for everything else.
 
 All are `torch.library.custom_op`s with fake implementations (opaque to Dynamo and inductor;
 symbolic sizes under dynamic shapes) returning a fresh tensor. The kernel runs when the rows
@@ -9,7 +10,9 @@ symbolic sizes under dynamic shapes) returning a fresh tensor. The kernel runs w
 most `KERNEL_MAX_WEIGHT` elements (where it was measured faster), the dtype is bf16
 or fp16, the weight is contiguous, the input is contiguous in its last dimension and the
 tensors are on a CUDA device; on the CPU only under Triton's interpreter (``TRITON_INTERPRET=1``
-before import) and with `CPU_INTERPRETER` set (tests). Otherwise ``torch.nn.functional.linear``.
+before import) and with `CPU_INTERPRETER` set (tests). The tensor-core kernel, likewise, for
+`DOT_MIN_ROWS` to `DOT_MAX_ROWS` rows and weights of at most `DOT_MAX_WEIGHT` elements that are
+no output head. Otherwise ``torch.nn.functional.linear``.
 
 CUDA-graph capture: the only allocation is the output (and split-K partials, ``torch.empty``);
 nothing is read back to the host. Triton is imported on first use, so this module imports on a
@@ -53,6 +56,15 @@ KERNEL_MAX_WEIGHT_ONE_ROW = 3 << 23
 #: size: the LM heads 128256 x 2048 and x 4096 took 125.6 and 246.9 us against cuBLAS's 135.1
 #: and 276.0 (their weight-read floors: 123.1 and 246.2).
 KERNEL_MIN_HEAD_RATIO = 16
+#: 3-16 rows run on tensor cores (`attngraph.skinny_dot`), bf16 / fp16 weights of at most
+#: `DOT_MAX_WEIGHT` elements that are no output head (those stay cuBLAS's). At 4 and 16 rows
+#: it beat cuBLAS (with its split-K reduce launches) on the Llama-3.2-1B projections (16 rows:
+#: q/k/v 5.76 against 6.51 us, o 4.79 / 6.07, gate/up 18.05 / 18.82, down 11.18 / 13.12) and
+#: the 8B o (10.67 / 12.63) and down (31.0 / 31.7); the 8B q/k/v tied and the 8B gate/up
+#: (2**26.8 elements) lost (60.3 / 59.5): `benchmarks/bench_skinny_gemm.py --dot`.
+DOT_MIN_ROWS = 3
+DOT_MAX_ROWS = 16
+DOT_MAX_WEIGHT = 1 << 26
 
 #: What the rows of an op's input are, as `passes.skinny_linears` proved it from the symbolic
 #: sizes of the ragged graph (the op's ``rows`` argument): `ANY_ROWS`, every row is computed;
@@ -83,6 +95,16 @@ def _kernel_serves(device: torch.device) -> bool:
         mod = _kernels()
         return mod is not None and mod.interpreting() and _interpreter_problem() is None
     return False
+
+
+@functools.lru_cache(maxsize=1)
+def _dot_kernels():
+    """The `skinny_dot` module, or None where Triton cannot be imported."""
+    try:
+        from . import skinny_dot
+    except ImportError:
+        return None
+    return skinny_dot
 
 
 @functools.lru_cache(maxsize=1)
@@ -126,13 +148,40 @@ def _use_kernel(rows: int, k: int, lead: torch.Tensor, weight: torch.Tensor, max
     return weight.numel() <= KERNEL_MAX_WEIGHT
 
 
+def _use_dot(rows: int, k: int, lead: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``rows`` rows of ``lead`` (x, or a) times ``weight`` run on tensor cores."""
+    if not DOT_MIN_ROWS <= rows <= DOT_MAX_ROWS or k == 0 or lead.dtype not in _KERNEL_DTYPES:
+        return False
+    if not weight.is_contiguous() or (k > 1 and lead.stride(-1) != 1):
+        return False
+    n = weight.shape[0]
+    if n * k > DOT_MAX_WEIGHT or n >= KERNEL_MIN_HEAD_RATIO * k:
+        return False
+    return _kernel_serves(lead.device) and _dot_kernels() is not None
+
+
+def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` of ``x: [..., K]`` whose first ``rows`` (`real_rows`) rows
+    are real, on tensor cores where `_use_dot` allows (padding rows left unwritten)."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    m = x.numel() // k if k else 0
+    if not _use_dot(rows, k, x, weight) or (bias is not None and n > 1 and bias.stride(0) != 1):
+        return F.linear(x, weight, bias)
+    y = x.new_empty((m, n))
+    _dot_kernels().skinny_dot_linear(x.reshape(m, k)[:rows], weight, bias, out=y[:rows])
+    return y.view(*x.shape[:-1], n)
+
+
 def kernel_may_serve(n: int, k: int, silu_mul: bool = False) -> bool:
     """Whether some row count runs an ``[n, k]`` weight on the kernel (the pass's test: a
     linear no step would run there stays ``F.linear``, inductor's to schedule). Plain: weights
     of at most `KERNEL_MAX_WEIGHT` elements, `KERNEL_MAX_WEIGHT_ONE_ROW` (one row), or output
     heads (``n >= KERNEL_MIN_HEAD_RATIO * k``, one row); folding SiLU * up:
-    `KERNEL_MAX_SILU_MUL_WEIGHT`."""
+    `KERNEL_MAX_SILU_MUL_WEIGHT`; on tensor cores (3-16 rows): `DOT_MAX_WEIGHT`, no heads."""
     numel = n * k
+    if numel <= DOT_MAX_WEIGHT and n < KERNEL_MIN_HEAD_RATIO * k:
+        return True
     if silu_mul:
         return numel <= KERNEL_MAX_SILU_MUL_WEIGHT
     return numel <= max(KERNEL_MAX_WEIGHT, KERNEL_MAX_WEIGHT_ONE_ROW) or n >= KERNEL_MIN_HEAD_RATIO * k
@@ -185,7 +234,7 @@ def linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     m = x.numel() // k if k else 0
     real = real_rows(rows, m)
     if not _use_kernel(real, k, x, weight) or (bias is not None and bias.stride(0) != 1 and n > 1):
-        return F.linear(x, weight, bias)
+        return _project(x, weight, bias, real)
     # [m, K]: a view of a row-strided x (unit stride along K kept), a copy when none exists
     y = x.new_empty((m, n))
     _kernels().skinny_linear(x.reshape(m, k)[:real], weight, bias, out=y[:real])
@@ -201,8 +250,12 @@ def silu_mul_linear_impl(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor,
     n = _check_linear("silu_mul_linear", a, weight, k)
     m = a.numel() // k if k else 0
     real = real_rows(rows, m)
-    if not (_use_kernel(real, k, a, weight, KERNEL_MAX_SILU_MUL_WEIGHT) and (k == 1 or b.stride(-1) == 1)):
+    if not (k == 1 or b.stride(-1) == 1):
         return F.linear(silu_mul(a, b), weight)
+    if not _use_kernel(real, k, a, weight, KERNEL_MAX_SILU_MUL_WEIGHT):
+        # the product in one launch, then tensor cores or cuBLAS (the tensor-core kernel with
+        # the product folded in lost its pipelining: 1B down 22.4 against 19.9 us at 16 rows)
+        return _project(silu_mul(a, b), weight, None, real)
     y = a.new_empty((m, n))
     _kernels().skinny_silu_mul_linear(a.reshape(m, k)[:real], b.reshape(m, k)[:real], weight, out=y[:real])
     return y.view(*a.shape[:-1], n)
@@ -266,7 +319,7 @@ def _norm_linear(x, residual, norm_weight, eps, weight, bias, rows) -> tuple[tor
     else:
         h = x + residual if residual is not None else None
         normed = _rms_norm_torch(x if h is None else h, norm_weight, eps)
-    return F.linear(normed, weight, bias), h
+    return _project(normed, weight, bias, real), h
 
 
 def rms_norm_linear_impl(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,

@@ -3,9 +3,10 @@
 A decode step multiplies a few token rows by every weight matrix. cuBLAS reads the weights of
 such products at a fraction of the memory bandwidth and splits K of the tall ones (a fill, a
 reduce and a copy launched around the GEMM). `torch.ops.attngraph.linear` runs a Triton GEMV
-(`attngraph.skinny_linear`) for at most `skinny_linear.MAX_ROWS` rows on CUDA and
-``torch.nn.functional.linear`` otherwise, so one traced graph serves decode and prefill
-steps alike; a captured CUDA graph holds whichever the step's row count chose.
+(`attngraph.skinny_linear`) for one or two rows on CUDA, a tensor-core Triton GEMM
+(`attngraph.skinny_dot`) for 3-16 and ``torch.nn.functional.linear`` otherwise, so one traced
+graph serves decode and prefill steps alike; a captured CUDA graph holds whichever the step's
+row count chose.
 
 Rewrites, on a Dynamo graph (torch-level calls):
 
@@ -16,9 +17,10 @@ Rewrites, on a Dynamo graph (torch-level calls):
   ``.contiguous()`` (`fuse_linears`'s halves of the fused gate/up output) are read as the
   strided views behind it.
 
-Linears that no row count runs on the GEMV stay as they are (`SkinnyResult.kept`,
+Linears that no row count runs on a Triton kernel stay as they are (`SkinnyResult.kept`,
 `linear_ops.kernel_may_serve`): weights above `linear_ops.KERNEL_MAX_WEIGHT` elements, or above
-`KERNEL_MAX_WEIGHT_ONE_ROW` where one row would take them, except output heads; a down
+`KERNEL_MAX_WEIGHT_ONE_ROW` where one row would take them, except output heads, and above
+`linear_ops.DOT_MAX_WEIGHT` (the tensor-core kernel's limit, no heads); a down
 projection that folds SiLU * up has the larger `linear_ops.KERNEL_MAX_SILU_MUL_WEIGHT`, since
 the fold also saves the product's launch. Left alone,
 with the reason in `SkinnyResult.refused`: a linear with keyword arguments or a weight that is

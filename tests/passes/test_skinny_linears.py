@@ -189,6 +189,7 @@ def test_the_default_limits_let_a_folding_down_projection_past_the_plain_limit(m
     monkeypatch.setattr(linear_ops, "KERNEL_MAX_WEIGHT", 3839)
     monkeypatch.setattr(linear_ops, "KERNEL_MAX_WEIGHT_ONE_ROW", 3839)
     monkeypatch.setattr(linear_ops, "KERNEL_MAX_SILU_MUL_WEIGHT", 3840)
+    monkeypatch.setattr(linear_ops, "DOT_MAX_WEIGHT", 3839)
     gm, phs, real = traced(module, torch.randn(3, 48))
     result = skinny_linears(gm)
     assert len(result.kept) == 2 and len(result.silu_mul) == 1 and len(result.linears) == 1
@@ -222,10 +223,29 @@ def test_the_default_limits_take_what_one_row_runs_on_the_kernel(monkeypatch, on
     monkeypatch.setattr(linear_ops, "KERNEL_MAX_WEIGHT", 3071)
     monkeypatch.setattr(linear_ops, "KERNEL_MAX_WEIGHT_ONE_ROW", one_row)
     monkeypatch.setattr(linear_ops, "KERNEL_MIN_HEAD_RATIO", head_ratio)
+    monkeypatch.setattr(linear_ops, "DOT_MAX_WEIGHT", 3071)
     gm, phs, real = traced(module, torch.randn(2, 48))
     result = skinny_linears(gm)
     assert (len(result.linears), len(result.kept)) == (ops, 2 - ops)
     assert count(gm, LINEAR) == ops and count(gm, LINEAR_TARGETS) == 2 - ops
+    x = torch.randn(3, 48)
+    torch.testing.assert_close(run_graph(gm, phs, real, x)[0], module(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dot_max, ops", [(3072, 1), (3071, 0), (36864, 1)])
+def test_the_tensor_core_limit_takes_weights_past_the_gemv_limits(monkeypatch, dot_max, ops):
+    """A weight above every GEMV limit still becomes ``attngraph.linear`` when 3-16 rows run it
+    on tensor cores (at most `DOT_MAX_WEIGHT` elements). The 768 x 48 output head is taken by
+    the one-row head rule either way (the op keeps heads off tensor cores: test_skinny_dot)."""
+    torch.manual_seed(7)
+    module = _ProjAndHead().eval()
+    monkeypatch.setattr(linear_ops, "KERNEL_MAX_WEIGHT", 3071)
+    monkeypatch.setattr(linear_ops, "KERNEL_MAX_WEIGHT_ONE_ROW", 3071)
+    monkeypatch.setattr(linear_ops, "DOT_MAX_WEIGHT", dot_max)
+    gm, phs, real = traced(module, torch.randn(2, 48))
+    result = skinny_linears(gm)
+    assert (len(result.linears), len(result.kept)) == (ops + 1, 1 - ops)
+    assert count(gm, LINEAR) == ops + 1 and count(gm, LINEAR_TARGETS) == 1 - ops
     x = torch.randn(3, 48)
     torch.testing.assert_close(run_graph(gm, phs, real, x)[0], module(x), rtol=1e-5, atol=1e-5)
 

@@ -1,0 +1,268 @@
+"""3-16 token rows times a weight matrix on tensor cores (Triton): the decode GEMM of small batches.
+
+At 3-16 rows the product is still one read of the weight, but the CUDA-core GEMV of
+`attngraph.skinny_linear` is bound by its multiply-adds there, and cuBLAS adds split-K reduce
+launches around the long-K projections. This kernel swaps the operands so the weight fills the
+tall side of the tensor-core tile:
+
+* ``y^T [BLOCK_N, 16] += W[BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, 16]``: grid
+  ``(cdiv(N, BLOCK_N), SPLIT_K)``, a program owns ``BLOCK_N`` weight rows and one K range; the
+  ``M <= 16`` rows of ``x`` are padded to the tile's 16 by masked loads, never in memory;
+* ``SPLIT_K > 1``: partials in fp32, the column block's last program (an ``acq_rel`` counter,
+  shared with `skinny_linear`) sums them in split order (deterministic) in the same launch;
+* ``SILU_MUL``: ``x = silu(a) * b`` (fp32, rounded once to the inputs' dtype) formed as each
+  chunk is loaded (correct, but slower than the product's own launch plus the plain kernel:
+  the ops do not use it);
+* launched with programmatic dependent launch where `attngraph.pdl` allows it: a program loads
+  its first weight tile, then waits for the kernel before (whose output ``x`` is).
+
+`TUNED` holds the configurations measured fastest on an H200 (``benchmarks/bench_skinny_gemm.py
+--dot``); other shapes take `default_config`'s.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import triton
+import triton.language as tl
+
+from . import pdl
+from .attn_backends.triton_ops.decode_attention import interpreting
+from .errors import InputError
+from .pdl import gdc_launch_dependents, gdc_wait
+from .skinny_linear import _COUNTERS, _round
+
+__all__ = ["MAX_ROWS", "TUNED", "default_config", "skinny_dot_linear", "skinny_dot_silu_mul_linear"]
+
+#: Rows of ``x`` one launch takes (the tensor-core tile's narrow side).
+MAX_ROWS = 16
+#: ``(N, K) -> config``, the fastest at 4 and 16 rows on an H200 (bf16, a CUDA graph of calls
+#: on distinct weight copies; `benchmarks/bench_skinny_gemm.py --dot`):
+TUNED: dict[tuple[int, int], dict[str, int]] = {
+    (3072, 2048): dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=6),  # 1B q/k/v
+    (2048, 2048): dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=4),  # 1B o
+    (2048, 8192): dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=4),  # 1B down
+    (16384, 2048): dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=3),  # 1B gate/up
+    (6144, 4096): dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=4),  # 8B q/k/v
+    (4096, 4096): dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),  # 8B o
+    (4096, 14336): dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3),  # 8B down
+    (28672, 4096): dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=4),  # 8B gate/up
+}
+_CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
+
+
+@triton.jit
+def _weight_chunk(w_rows, offs_k, mask_n, K, EVEN_K: tl.constexpr):
+    """The ``[BLOCK_N, BLOCK_K]`` weight tile at ``offs_k``: masked along K only where K is no
+    multiple of BLOCK_K (a mask along the rows alone keeps the 16-byte loads)."""
+    if EVEN_K:
+        mask = mask_n[:, None]
+    else:
+        mask = mask_n[:, None] & (offs_k < K)[None, :]
+    # read once per launch: do not let the weight push x (and the next kernels' data) out of L2
+    return tl.load(w_rows + offs_k[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _operand_chunk(x_rows, x2_rows, offs_k, mask_m, K, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr,
+                   UPCAST: tl.constexpr, SOFT_BF16: tl.constexpr):  # fmt: skip
+    """The ``[16, BLOCK_K]`` chunk of the GEMM's input (rows past M zero) in its dtype (fp32
+    with ``UPCAST``)."""
+    if EVEN_K:
+        mask_x = mask_m[:, None]
+    else:
+        mask_x = mask_m[:, None] & (offs_k < K)[None, :]
+    x = tl.load(x_rows + offs_k[None, :], mask=mask_x, other=0.0)
+    if SILU_MUL:
+        g = x.to(tl.float32)
+        u = tl.load(x2_rows + offs_k[None, :], mask=mask_x, other=0.0).to(tl.float32)
+        x = _round(g / (1.0 + tl.exp(-g)) * u, x.dtype, SOFT_BF16)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _skinny_dot_kernel(
+    X, X2, W, Bias, Y, Part, Counters,
+    M, N, K, k_per_split,
+    stride_xm, stride_x2m, stride_wn, stride_ym,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    SOFT_BF16: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """``Y[:M] = h @ W^T (+ Bias)``, ``h = X`` or ``silu(X) * X2``. X, X2: ``[M, K]`` rows
+    ``stride_xm`` / ``stride_x2m`` apart (M <= 16); W: ``[N, K]``, rows ``stride_wn`` apart;
+    Y: ``[M, N]`` rows ``stride_ym`` apart. Part: ``[SPLIT_K, N, 16]`` fp32; Counters:
+    ``[>= cdiv(N, BLOCK_N)]`` int32 zeros (both read with ``SPLIT_K > 1`` only). A program's K
+    range is ``k_per_split`` long, a multiple of ``BLOCK_K``, so only K's end can cut a chunk
+    (``EVEN_K``: K is a multiple of BLOCK_K too, no chunk is cut)."""
+    pid_n = tl.program_id(0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns = weight rows
+    mask_n = offs_n < N
+    rows = tl.arange(0, 16)  # [16] rows of x, the first M real
+    mask_m = rows < M
+    k_lo = tl.program_id(1) * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    x_rows = X + rows.to(tl.int64)[:, None] * stride_xm  # [16, 1]
+    x2_rows = X2 + rows.to(tl.int64)[:, None] * stride_x2m  # [16, 1] (read with SILU_MUL only)
+    acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)  # y^T
+    k_first = k_lo
+    if USE_PDL:
+        # The weight is no earlier kernel's output: its first tile loads while the kernel
+        # before finishes; x only after gdc_wait (see attngraph.pdl).
+        offs_k = k_lo + tl.arange(0, BLOCK_K)
+        w = _weight_chunk(w_rows, offs_k, mask_n, K, EVEN_K)
+        gdc_wait()
+        gdc_launch_dependents()
+        x = _operand_chunk(x_rows, x2_rows, offs_k, mask_m, K, EVEN_K, SILU_MUL, UPCAST, SOFT_BF16)
+        acc = tl.dot(w.to(x.dtype), tl.trans(x), acc, input_precision=PRECISION)
+        k_first = k_lo + BLOCK_K
+    for k0 in range(k_first, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+        w = _weight_chunk(w_rows, offs_k, mask_n, K, EVEN_K)
+        x = _operand_chunk(x_rows, x2_rows, offs_k, mask_m, K, EVEN_K, SILU_MUL, UPCAST, SOFT_BF16)
+        acc = tl.dot(w.to(x.dtype), tl.trans(x), acc, input_precision=PRECISION)  # [BLOCK_N, 16]
+    y_ptrs = Y + rows[None, :] * stride_ym + offs_n[:, None]  # [BLOCK_N, 16]
+    y_mask = mask_n[:, None] & mask_m[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptrs, _round(acc, Y.dtype.element_ty, SOFT_BF16), mask=y_mask)
+    else:
+        # This split's partials, then the column block's last program to count sums them (the
+        # ordering argument of skinny_linear's split-K).
+        part_cols = Part + offs_n.to(tl.int64)[:, None] * 16 + rows[None, :]  # split 0's [BLOCK_N, 16]
+        tl.store(part_cols + tl.program_id(1) * N * 16, acc, mask=mask_n[:, None])
+        tl.debug_barrier()
+        arrived = tl.atomic_add(Counters + pid_n, 1, sem="acq_rel")
+        tl.debug_barrier()
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):  # split order: the same sum whichever came last
+                total += tl.load(part_cols + s * N * 16, mask=mask_n[:, None], other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptrs, _round(total, Y.dtype.element_ty, SOFT_BF16), mask=y_mask)
+            tl.store(Counters + pid_n, 0)  # every split has counted: ready for the next launch
+
+
+def default_config(n: int, k: int) -> dict[str, int]:
+    """Launch configuration for ``[n, k]`` weights: a `TUNED` entry, else 64 x 128 tiles, four
+    warps, four stages, and K split in 2-4 while the column blocks are fewer than about one
+    per SM (as long as each split keeps at least four chunks)."""
+    tuned = TUNED.get((int(n), int(k)))
+    if tuned is not None:
+        return dict(tuned)
+    blocks, split = triton.cdiv(n, 64), 1
+    while split < 4 and blocks * split < 96 and k >= 2 * split * 4 * 128:
+        split *= 2
+    return dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=split, num_warps=4, num_stages=4)
+
+
+def _check_config(config: dict) -> dict[str, int]:
+    if set(config) != set(_CONFIG_KEYS):
+        raise InputError(f"config needs exactly the keys {_CONFIG_KEYS}; got {sorted(config)}")
+    cfg = {key: int(config[key]) for key in _CONFIG_KEYS}
+    for key in ("BLOCK_N", "BLOCK_K", "num_warps"):
+        if cfg[key] < 1 or cfg[key] & (cfg[key] - 1):
+            raise InputError(f"config[{key!r}] must be a power of two >= 1, got {cfg[key]}")
+    if cfg["BLOCK_N"] < 16 or cfg["BLOCK_K"] < 16 or cfg["SPLIT_K"] < 1 or cfg["num_stages"] < 1:
+        raise InputError(f"config: BLOCK_N and BLOCK_K must be >= 16 (tensor-core tiles), SPLIT_K and num_stages >= 1; got {cfg}")
+    return cfg
+
+
+def _check_operands(what: str, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if x.device.type != "cuda" and not interpreting():
+        raise InputError(f"{what}: x is on {x.device}; the kernel needs a CUDA device, or Triton's CPU interpreter "
+                         "(TRITON_INTERPRET=1 set before importing attngraph) for CPU tensors")  # fmt: skip
+    if x.dim() != 2 or x.shape[0] > MAX_ROWS:
+        raise InputError(f"{what}: x must be [M, K] with M <= {MAX_ROWS}; got {tuple(x.shape)} (use F.linear)")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise InputError(f"{what}: x must be bfloat16 or float16 (tensor cores); got {x.dtype}")
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        raise InputError(f"{what}: x must be contiguous in its last dimension; got strides {tuple(x.stride())}")
+    m, k = x.shape
+    if weight.dim() != 2 or weight.shape[1] != k or not weight.is_contiguous():
+        raise InputError(f"{what}: weight must be a contiguous [N, {k}] tensor; got {tuple(weight.shape)} "
+                         f"with strides {tuple(weight.stride())}")  # fmt: skip
+    if weight.dtype != x.dtype or weight.device != x.device:
+        raise InputError(f"{what}: weight is {weight.dtype} on {weight.device}, x {x.dtype} on {x.device}; they must match")
+    n = weight.shape[0]
+    if out is None:
+        return torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if tuple(out.shape) != (m, n) or out.dtype != x.dtype or out.device != x.device or (m and n > 1 and out.stride(1) != 1):
+        raise InputError(f"{what}: out must be a {x.dtype} [{m}, {n}] tensor on {x.device}, contiguous in its last "
+                         f"dimension; got {out.dtype} {tuple(out.shape)} with strides {tuple(out.stride())}")  # fmt: skip
+    return out
+
+
+def _launch(x, x2, weight, bias, out, config, silu_mul: bool) -> torch.Tensor:
+    m, k = x.shape
+    n = weight.shape[0]
+    if m == 0 or n == 0:
+        return out
+    if k == 0:  # an empty sum: the bias alone
+        return out.copy_(bias.expand(m, n)) if bias is not None else out.zero_()
+    cfg = default_config(n, k) if config is None else _check_config(config)
+    block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg["SPLIT_K"]), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    blocks = triton.cdiv(n, block_n)
+    part = counters = out  # not read without split-K
+    if split_k > 1:
+        counters = _COUNTERS.get(x.device, blocks)
+        if counters is None:  # first split-K launch inside a CUDA-graph capture: no counters yet
+            split_k, k_per_split, counters = 1, triton.cdiv(k, block_k) * block_k, out
+        else:
+            part = torch.empty((split_k, n, 16), dtype=torch.float32, device=x.device)
+    x2 = x2 if x2 is not None else x  # read with SILU_MUL only
+    upcast = x.dtype == torch.bfloat16 and interpreting()  # the interpreter's bf16 tl.dot (decode_attention.dot_options)
+    use_pdl = pdl.enabled(x.device)
+    guard = torch.cuda.device(x.device) if x.is_cuda and x.device.index != torch.cuda.current_device() else nullcontext()
+    with guard:
+        _skinny_dot_kernel[(blocks, split_k)](
+            x, x2, weight, bias if bias is not None else weight, out, part, counters,
+            m, n, k, k_per_split, x.stride(0), x2.stride(0), weight.stride(0), out.stride(0),
+            BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, EVEN_K=k % block_k == 0,
+            HAS_BIAS=bias is not None, SILU_MUL=silu_mul, UPCAST=upcast, PRECISION="ieee" if upcast else "tf32",
+            SOFT_BF16=upcast, USE_PDL=use_pdl,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch_options(use_pdl),
+        )  # fmt: skip
+    return out
+
+
+def skinny_dot_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                      out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:  # fmt: skip
+    """``F.linear(x, weight, bias)`` on tensor cores for ``x: [M, K]`` (``M <= 16``; rows any
+    stride apart, unit stride along K; bf16 or fp16), ``weight: [N, K]`` contiguous, ``bias:
+    [N]`` or None -> ``[M, N]``, accumulated in fp32 and rounded once. ``out``: an ``[M, N]``
+    tensor to write (unit stride along N), None: a new one; ``config``: overrides
+    `default_config` (benchmark sweeps)."""
+    what = "skinny_dot_linear"
+    out = _check_operands(what, x, weight, out)
+    n = weight.shape[0]
+    if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype != x.dtype or bias.device != x.device
+                             or (n > 1 and bias.stride(0) != 1)):  # fmt: skip
+        raise InputError(f"{what}: bias must be a contiguous {x.dtype} [{n}] on {x.device}; got {bias.dtype} {tuple(bias.shape)}")
+    return _launch(x, None, weight, bias, out, config, silu_mul=False)
+
+
+def skinny_dot_silu_mul_linear(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, *,
+                               out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:  # fmt: skip
+    """``F.linear(silu(a) * b, weight)`` on tensor cores (the MLP's down projection over its
+    gate and up halves): ``a, b: [M, I]`` (``M <= 16``, rows any stride apart, unit stride
+    along I), ``weight: [N, I]`` -> ``[M, N]``. ``silu(a) * b`` is computed in fp32 and rounded
+    once to the inputs' dtype, as `attngraph.linear_ops.silu_mul`. ``out``, ``config``: as for
+    `skinny_dot_linear`."""
+    what = "skinny_dot_silu_mul_linear"
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        raise InputError(f"{what}: a and b must have one shape, dtype and device; got {a.dtype} {tuple(a.shape)} "
+                         f"on {a.device} and {b.dtype} {tuple(b.shape)} on {b.device}")  # fmt: skip
+    out = _check_operands(what, a, weight, out)
+    if b.dim() == 2 and b.shape[1] > 1 and b.stride(1) != 1:
+        raise InputError(f"{what}: b must be contiguous in its last dimension; got strides {tuple(b.stride())}")
+    return _launch(a, b, weight, None, out, config, silu_mul=True)

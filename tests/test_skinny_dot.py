@@ -1,0 +1,198 @@
+"""The tensor-core GEMM of 3-16 rows (`attngraph.skinny_dot`) and the ops' use of it.
+
+Without CUDA the kernel runs in Triton's CPU interpreter (``TRITON_INTERPRET=1``, tests/conftest.py)
+on small shapes; with CUDA natively, plus the ``gpu`` tests at the Llama projection shapes and in
+a CUDA graph. Fresh seeded inputs, NaN-poisoned ``torch.empty`` (an unwritten output shows up),
+fp64 references of the same rounded inputs (`tests/test_skinny_linear.py`'s bound).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from attngraph import linear_ops  # noqa: E402
+from attngraph import skinny_dot as sd  # noqa: E402
+from attngraph.errors import InputError  # noqa: E402
+
+from .test_skinny_linear import PROJECTIONS, assert_close_to_reference, make, silu_mul_slack  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(sd._skinny_dot_kernel, InterpretedFunction):
+        importlib.reload(sd)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if not sd.interpreting():
+        pytest.skip("needs CUDA or Triton's interpreter (TRITON_INTERPRET=1 before import; tests/conftest.py sets it)")
+    from attngraph.skinny_linear import interpreter_problem
+
+    problem = interpreter_problem()
+    if problem is not None:
+        pytest.skip(problem)
+    return torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _poison_empty(poison_empty):
+    """``torch.empty`` returns NaN-filled tensors for the duration of a test (conftest)."""
+
+
+def cfg(bn: int, bk: int, split: int = 1, warps: int = 4, stages: int = 2) -> dict:
+    return dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages)
+
+
+# fp32 accumulation of exact bf16 / fp16 products: the GEMV's bound holds
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("m", [3, 7, 16])
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_matches_reference_with_tails(device, dtype, m, bias):
+    """N and K tails (37 x 100 with 16 x 32 tiles), strided rows, padded rows never written."""
+    x, w, b = make(m * 7 + bias, m, 37, 100, dtype, device, bias=bias, row_pad=5 if m % 2 else 0)
+    assert_close_to_reference(sd.skinny_dot_linear(x, w, b, config=cfg(16, 32)), x, w, b)
+
+
+@pytest.mark.parametrize("c", [cfg(16, 32, split=2), cfg(32, 16, split=4), cfg(16, 64, split=3), cfg(64, 16, split=1)],
+                         ids=lambda c: "n{BLOCK_N}-k{BLOCK_K}-split{SPLIT_K}".format(**c))  # fmt: skip
+@pytest.mark.parametrize("k", [96, 100])
+def test_split_k_even_and_cut_k(device, c, k):
+    """Split K with K a multiple of the chunk (no K mask) and not; the counters end at zero."""
+    x, w, b = make(k + c["SPLIT_K"], 9, 70, k, torch.bfloat16, device, bias=True)
+    y = sd.skinny_dot_linear(x, w, b, config=c)
+    assert_close_to_reference(y, x, w, b)
+    counters = sd._COUNTERS._by_device.get(x.device)
+    assert counters is None or int(counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("m", [3, 16])
+@pytest.mark.parametrize("split", [1, 2])
+def test_silu_mul_matches_reference(device, m, split):
+    """``silu(a) * b`` formed in the loads, rounded once: against the rounded product in fp64."""
+    gen = torch.Generator().manual_seed(m * 5 + split)
+    gu = (torch.randn(m, 2 * 96, generator=gen) * 2).to(torch.bfloat16).to(device)
+    a, b = gu[:, :96], gu[:, 96:]  # the halves of a fused gate/up output: rows 192 apart
+    w = (torch.randn(40, 96, generator=gen) / 96**0.5).to(torch.bfloat16).to(device)
+    h = linear_ops.silu_mul(a.contiguous(), b.contiguous())
+    y = sd.skinny_dot_silu_mul_linear(a, b, w, config=cfg(16, 32, split=split))
+    assert_close_to_reference(y, h, w, None, slack=silu_mul_slack(h, w))
+
+
+def test_silu_mul_with_one_tensor_twice_is_not_a_plain_product(device):
+    x, w, _ = make(11, 4, 32, 64, torch.bfloat16, device)
+    y = sd.skinny_dot_silu_mul_linear(x, x, w, config=cfg(16, 32))
+    h = linear_ops.silu_mul(x, x)
+    assert_close_to_reference(y, h, w, None, slack=silu_mul_slack(h, w))
+
+
+def test_the_default_configs_are_valid():
+    for n, k in PROJECTIONS + [(37, 100), (5, 7000), (70000, 64)]:
+        c = sd.default_config(n, k)
+        assert sd._check_config(c) == c
+        assert c["SPLIT_K"] == 1 or k >= c["SPLIT_K"] * c["BLOCK_K"]
+
+
+def test_refusals(device):
+    x, w, b = make(1, 4, 32, 64, torch.bfloat16, device)
+    with pytest.raises(InputError, match="M <= 16"):
+        sd.skinny_dot_linear(torch.zeros(17, 64, dtype=torch.bfloat16, device=device), w)
+    with pytest.raises(InputError, match="bfloat16 or float16"):
+        sd.skinny_dot_linear(x.float(), w.float())
+    with pytest.raises(InputError, match=r"contiguous \[N, 64\]"):
+        sd.skinny_dot_linear(x, w.T.contiguous().T)
+    with pytest.raises(InputError, match="bias"):
+        sd.skinny_dot_linear(x, w, torch.zeros(31, dtype=torch.bfloat16, device=device))
+    with pytest.raises(InputError, match="out must be"):
+        sd.skinny_dot_linear(x, w, out=torch.empty(4, 31, dtype=torch.bfloat16, device=device))
+    with pytest.raises(InputError, match="one shape"):
+        sd.skinny_dot_silu_mul_linear(x, x[:3], w)
+    with pytest.raises(InputError, match="power of two"):
+        sd.skinny_dot_linear(x, w, config=cfg(48, 32))
+    with pytest.raises(InputError, match=">= 16"):
+        sd.skinny_dot_linear(x, w, config=cfg(8, 32))
+
+
+def test_empty_shapes(device):
+    w = torch.randn(5, 0, dtype=torch.bfloat16, device=device)
+    b = torch.randn(5, dtype=torch.bfloat16, device=device)
+    y = sd.skinny_dot_linear(torch.zeros(4, 0, dtype=torch.bfloat16, device=device), w, b)
+    assert torch.equal(y, b.expand(4, 5))
+    assert sd.skinny_dot_linear(torch.zeros(0, 8, dtype=torch.bfloat16, device=device), torch.ones(5, 8, dtype=torch.bfloat16, device=device)).shape == (0, 5)
+
+
+# ----------------------------------------------------------------------------- the ops' routing
+@pytest.fixture
+def kernel_ops(device, monkeypatch):
+    monkeypatch.setattr(linear_ops, "CPU_INTERPRETER", True)
+    return device
+
+
+def test_ops_route_3_to_16_rows_to_tensor_cores(kernel_ops, monkeypatch):
+    calls = []
+    launch = sd._launch
+    monkeypatch.setattr(sd, "_launch", lambda *a, **kw: calls.append(kw["silu_mul"]) or launch(*a, **kw))
+    x, w, b = make(5, 16, 48, 64, torch.bfloat16, kernel_ops, bias=True)
+    assert_close_to_reference(linear_ops.linear(x.view(2, 8, 64), w, b).view(16, 48), x, w, b)
+    gen = torch.Generator().manual_seed(3)
+    gu = (torch.randn(5, 128, generator=gen)).to(torch.bfloat16).to(kernel_ops)
+    y = linear_ops.silu_mul_linear(gu[:, :64], gu[:, 64:], w)
+    h = linear_ops.silu_mul(gu[:, :64].contiguous(), gu[:, 64:].contiguous())
+    assert_close_to_reference(y, h, w, None, slack=silu_mul_slack(h, w))
+    assert calls == [False, False]  # the product runs its own launch, then the plain kernel
+    linear_ops.linear(make(1, 17, 48, 64, torch.bfloat16, kernel_ops)[0], w)  # 17 rows: torch
+    linear_ops.linear(make(1, 2, 48, 64, torch.bfloat16, kernel_ops)[0], w)  # 2 rows: the GEMV
+    assert len(calls) == 2
+
+
+def test_ops_keep_fp32_and_heads_off_tensor_cores(kernel_ops, monkeypatch):
+    monkeypatch.setattr(sd, "_launch", lambda *a, **kw: pytest.fail("tensor-core kernel launched"))
+    x, w, _ = make(2, 8, 48, 64, torch.float32, kernel_ops)
+    torch.testing.assert_close(linear_ops.linear(x, w), F.linear(x, w))
+    x, w, _ = make(2, 8, 16 * 64, 64, torch.bfloat16, kernel_ops)  # an output head (N >= 16 K)
+    torch.testing.assert_close(linear_ops.linear(x, w), F.linear(x, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", PROJECTIONS[:4] + PROJECTIONS[5:9], ids=lambda v: str(v))
+def test_projection_shapes_on_the_gpu(n, k):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    for m in (3, 16):
+        x, w, b = make(n + m, m, n, k, torch.bfloat16, "cuda")
+        assert_close_to_reference(sd.skinny_dot_linear(x, w), x, w, None)
+        a, bb = x, make(n + m + 1, m, n, k, torch.bfloat16, "cuda")[0]
+        h = linear_ops.silu_mul(a, bb)
+        assert_close_to_reference(sd.skinny_dot_silu_mul_linear(a, bb, w), h, w, None, slack=silu_mul_slack(h, w))
+
+
+@pytest.mark.gpu
+def test_in_a_cuda_graph_replays_equal_eager():
+    """Split-K counters made before capture; every replay gives the eager bits (split order)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    x, w, b = make(7, 16, 2048, 8192, torch.bfloat16, "cuda", bias=True)
+    eager = sd.skinny_dot_linear(x, w, b)
+    out = torch.empty_like(eager)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        sd.skinny_dot_linear(x, w, b, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sd.skinny_dot_linear(x, w, b, out=out)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
