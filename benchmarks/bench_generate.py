@@ -35,6 +35,7 @@ import attngraph.pdl
 from attngraph import linear_ops
 
 ONE_ROW_DEFAULT = linear_ops.KERNEL_MAX_WEIGHT_ONE_ROW
+DOT_DEFAULTS = (linear_ops.DOT_MAX_ROWS, linear_ops.DOT_MAX_WEIGHT)
 
 
 def llama_1b(layers: int) -> transformers.LlamaConfig:
@@ -158,6 +159,8 @@ def main() -> None:
                    help="attngraph's decoding loop: chunks (multi-step graphs: greedy without processors) and/or "
                         "steps (a step at a time, as with any logits processor), comma-separated")  # fmt: skip
     p.add_argument("--skinny", default="on", help="CompileConfig.skinny_linears: on (the default on CUDA) and/or off, comma-separated")
+    p.add_argument("--dot", default="on",
+                   help="3-16 token rows on the tensor-core kernel (linear_ops.DOT_MAX_ROWS): on (the default) and/or off")
     p.add_argument("--fold-rms-norm", default="on", help="CompileConfig.fold_rms_norm: on (the default) and/or off, comma-separated")
     p.add_argument("--pdl", default="on",
                    help="programmatic dependent launch (attngraph.pdl): on (attngraph's kernels and inductor's), ours "
@@ -171,6 +174,8 @@ def main() -> None:
     args = p.parse_args()
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
+    if bad := [v for v in args.dot.split(",") if v not in ("on", "off")]:
+        p.error(f"--dot takes on and/or off; got {', '.join(bad)}")
     if bad := [v for v in args.fold_rms_norm.split(",") if v not in ("on", "off")]:
         p.error(f"--fold-rms-norm takes on and/or off; got {', '.join(bad)}")
     if bad := [v for v in args.pdl.split(",") if v not in PDL_LABELS]:
@@ -213,13 +218,16 @@ def main() -> None:
                     except Exception as exc:
                         add("HF static cache + torch.compile", b, error=f"{type(exc).__name__}: {exc}"[:500])
                     torch._dynamo.reset()
-        variants = [(name, skinny, fold, pdl, limit) for name in args.backends.split(",") if name
+        variants = [(name, skinny, fold, pdl, limit, dot) for name in args.backends.split(",") if name
                     for skinny in args.skinny.split(",") for fold in args.fold_rms_norm.split(",") for pdl in args.pdl.split(",")
-                    for limit in args.one_row_limit.split(",")]  # fmt: skip
-        for name, skinny, fold, pdl, limit in variants:
+                    for limit in args.one_row_limit.split(",") for dot in args.dot.split(",")]  # fmt: skip
+        for name, skinny, fold, pdl, limit, dot in variants:
             label = f"attngraph[{name}]" + ("" if skinny == "on" else " skinny_linears=False") + PDL_LABELS[pdl]
             label += "" if fold == "on" else " fold_rms_norm=False"
             label += "" if limit == "default" else f" one-row GEMV <= {limit}"
+            label += "" if dot == "on" else " dot=off"
+            # off: no row count runs the tensor-core kernel, and the pass wraps no linear for it
+            linear_ops.DOT_MAX_ROWS, linear_ops.DOT_MAX_WEIGHT = (DOT_DEFAULTS if dot == "on" else (0, 0))
             attngraph.pdl.ENABLED, attngraph.pdl.INDUCTOR = pdl != "off", pdl == "on"  # read at compile and capture
             linear_ops.KERNEL_MAX_WEIGHT_ONE_ROW = ONE_ROW_DEFAULT if limit == "default" else int(limit)
             m = copy.deepcopy(model)

@@ -20,6 +20,11 @@ call, launch gaps included.
     python benchmarks/bench_skinny_gemm.py --out results/skinny_gemm.json
     python benchmarks/bench_skinny_gemm.py --quick   # ~12 configurations per shape, a few minutes
     python benchmarks/bench_skinny_gemm.py --quick --norm --rows 1   # + RMSNorm folded into q/k/v, gate/up
+    python benchmarks/bench_skinny_gemm.py --dot --rows 4,16 --no-gemv   # + the tensor-core kernel (3-16 rows)
+
+``--dot`` adds `attngraph.skinny_dot` (3-16 rows on tensor cores, SiLU * up folded for the down
+projection) at its default configuration and the best of a small sweep (`DOT_SWEEP`), beside
+cuBLAS, as ``dot`` entries of the JSON and a table of its own.
 
 Prints a Markdown table (the default and the best configuration per shape and row count),
 writes one JSON object with every timing, and ends with the best configurations as the
@@ -42,6 +47,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_prefill import result_header  # noqa: E402
 
+from attngraph import skinny_dot  # noqa: E402
+from attngraph.linear_ops import DOT_MIN_ROWS  # noqa: E402
 from attngraph.rms_norm import add_rms_norm  # noqa: E402
 from attngraph.skinny_linear import (  # noqa: E402
     MAX_ROWS,
@@ -214,6 +221,25 @@ def us_of(timing: dict | None) -> float:
     return (timing or {}).get("us", float("nan"))
 
 
+#: The tensor-core kernel's sweep (``--dot``): 64- and 128-row weight tiles, K split 1-4 ways,
+#: 3-6 pipeline stages, 128-wide K chunks, four warps.
+DOT_SWEEP = [dict(BLOCK_N=bn, BLOCK_K=128, SPLIT_K=sk, num_warps=4, num_stages=st)
+             for bn, sk, st in itertools.product((64, 128), (1, 2, 4), (3, 4, 6))]  # fmt: skip
+
+
+def time_dot(x, ws, out, ref, n: int, k: int, gate_up=None) -> dict:
+    """`skinny_dot` at ``default_config`` and over `DOT_SWEEP` (configs whose split leaves a
+    chunk per split); with ``gate_up = (g, u)`` the SiLU * up fold (``ref`` of that product)."""
+    if gate_up is None:
+        run = lambda w, cfg: skinny_dot.skinny_dot_linear(x, w, out=out, config=cfg)  # noqa: E731
+    else:
+        run = lambda w, cfg: skinny_dot.skinny_dot_silu_mul_linear(*gate_up, w, out=out, config=cfg)  # noqa: E731
+    base = skinny_dot.default_config(n, k)
+    sweep = [base] + [c for c in DOT_SWEEP if k >= c["SPLIT_K"] * c["BLOCK_K"] and c != base]
+    _, timings = time_gemv(run, ws, out, ref, sweep)  # the launcher's own pick is sweep[0]
+    return dict(default=timings[0], default_config=base, best=fastest(timings), timings=timings)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="1b,8b")
@@ -230,8 +256,12 @@ def main() -> None:
                    help="also inductor at static shapes (coordinate-descent tuning) and attngraph's exact-count compile")
     p.add_argument("--norm", action="store_true",
                    help="also q/k/v and gate/up behind a residual add + RMSNorm: one norm launch + cuBLAS against the fold")
+    p.add_argument("--dot", action="store_true", help="also the tensor-core kernel (attngraph.skinny_dot) at 3-16 rows")
+    p.add_argument("--no-gemv", action="store_true", help="skip the GEMV's sweeps (with --dot: cuBLAS and the tensor-core kernel)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.no_gemv:
+        args.no_triton = True
     if args.inductor:  # one compile per (shape, rows)
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(torch._dynamo.config, name):
@@ -247,6 +277,7 @@ def main() -> None:
     tuned: dict[tuple[int, int, int], dict] = {}
     tuned_silu: dict[tuple[int, int, int], dict] = {}
     tuned_norm: dict[tuple[int, int, int], dict] = {}
+    dot_lines = []
     print("| shape | proj | N x K | rows | floor us | cuBLAS us | cuBLASLt us | gemv default us | gemv best us | inductor us "
           "| exact us | best x floor | default config | best config |")  # fmt: skip
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
@@ -322,6 +353,18 @@ def main() -> None:
                     normed_row = dict(separate_us=round(separate, 2), gemv_default=default, gemv_best=best, gemv_timings=timings)
                 else:
                     normed_row = None
+                dot = None
+                if args.dot and DOT_MIN_ROWS <= m <= skinny_dot.MAX_ROWS and name != "lm_head":  # heads stay cuBLAS's
+                    dot = {"plain": time_dot(x, ws, out, ref, n, k)}
+                    line = f"| {shape} | {name} | {n} x {k} | {m} | {floor_us:.2f} | {cublas:.2f} | {us_of(dot['plain']['default']):.2f} | " \
+                           f"{us_of(dot['plain']['best']):.2f} | {config_str(dot['plain']['best'])} |"
+                    dot_lines.append(line)
+                    if gated is not None:
+                        h = (F.silu(g.float()) * u.float()).to(torch.bfloat16)
+                        dot["silu_mul"] = time_dot(x, ws, out, F.linear(h.float(), ws[0].float()), n, k, gate_up=(g, u))
+                        dot_lines.append(f"| {shape} | silu(gate)*up -> down | {n} x {k} | {m} | {floor_us:.2f} | "
+                                         f"eager {gated['eager_us']:.2f} | {us_of(dot['silu_mul']['default']):.2f} | "
+                                         f"{us_of(dot['silu_mul']['best']):.2f} | {config_str(dot['silu_mul']['best'])} |")  # fmt: skip
                 default, timings, best = None, [], None
                 if not args.no_triton and m <= MAX_ROWS:
                     default, timings = time_gemv(lambda w, cfg: skinny_linear(x, w, out=out, config=cfg), ws, out, ref,
@@ -338,9 +381,14 @@ def main() -> None:
                                      cublas_us=round(cublas, 2), cublaslt_us=round(blas["cublaslt"], 2),
                                      gemv_default=default, gemv_default_config=default_cfg, best=best, timings=timings,
                                      inductor_static_us=round(ind_us, 2), exact_us=round(exact_us, 2), gated_down=gated,
-                                     normed=normed_row))  # fmt: skip
+                                     normed=normed_row, dot=dot))  # fmt: skip
             del ws
             torch.cuda.empty_cache()
+    if dot_lines:
+        print("\n## The tensor-core kernel (attngraph.skinny_dot), microseconds per call")
+        print("| shape | proj | N x K | rows | floor us | cuBLAS us | dot default us | dot best us | best config |")
+        print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
+        print("\n".join(dot_lines))
     print("\n# Best measured configurations, for attngraph/skinny_linear.py:")
     print(tuned_literal("TUNED", tuned))
     print(tuned_literal("TUNED_SILU_MUL", tuned_silu))
