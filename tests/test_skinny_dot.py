@@ -21,27 +21,14 @@ from attngraph import linear_ops  # noqa: E402
 from attngraph import skinny_dot as sd  # noqa: E402
 from attngraph.errors import InputError  # noqa: E402
 
-from .test_skinny_linear import PROJECTIONS, assert_close_to_reference, make, silu_mul_slack  # noqa: E402
+# `device`: CUDA, or the CPU under Triton's interpreter (a fixture)
+from .test_skinny_linear import PROJECTIONS, assert_close_to_reference, device, make, silu_mul_slack  # noqa: E402, F401
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     from triton.runtime.interpreter import InterpretedFunction
 
     if not isinstance(sd._skinny_dot_kernel, InterpretedFunction):
         importlib.reload(sd)
-
-
-@pytest.fixture
-def device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if not sd.interpreting():
-        pytest.skip("needs CUDA or Triton's interpreter (TRITON_INTERPRET=1 before import; tests/conftest.py sets it)")
-    from attngraph.skinny_linear import interpreter_problem
-
-    problem = interpreter_problem()
-    if problem is not None:
-        pytest.skip(problem)
-    return torch.device("cpu")
 
 
 @pytest.fixture(autouse=True)
