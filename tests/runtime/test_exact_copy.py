@@ -65,3 +65,34 @@ def test_accelerated_generate_is_token_identical(accelerated, references, count)
     assert not diff, f"{name}: {len(diff)} tokens differ from HF's, first at [row, position] {diff[0]}"
     pool = state_of(model).runner.pool
     assert pool.num_used_pages == 0 and pool.num_active_requests == 0
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_bf16_through_the_triton_linear_kernels_is_the_copy(monkeypatch, count):
+    """In bf16 with the linear ops' Triton kernels run by the interpreter: decode steps of one
+    request take the GEMV (RMSNorm and SiLU * up folded in), of three the tensor-core kernel
+    (`attngraph.skinny_dot`, after the standalone norm and SiLU-mul kernels); the prefill
+    takes torch. The tokens must still be the copy."""
+    from attngraph import linear_ops, skinny_dot, skinny_linear
+
+    if not (skinny_linear.interpreting() and skinny_dot.interpreting()) or skinny_linear.interpreter_problem():
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1 before import; tests/conftest.py sets it)")
+    monkeypatch.setattr(linear_ops, "CPU_INTERPRETER", True)
+    launches = {"gemv": 0, "dot": 0}
+    for mod, key in ((skinny_linear, "gemv"), (skinny_dot, "dot")):
+        launch = mod._launch
+        monkeypatch.setattr(mod, "_launch", lambda *a, _l=launch, _k=key, **kw: launches.__setitem__(_k, launches[_k] + 1) or _l(*a, **kw))
+    name = "llama_gqa"
+    batch = prompts(name, count, seed=count)
+    ids, mask = left_padded(batch)
+    model = attngraph.accelerate(load(name, torch.bfloat16), attention_backend="torch_native", page_size=16,
+                                 kv_cache_tokens=2048, skinny_linears=True)  # fmt: skip
+    try:
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=6, **GREEDY)
+    finally:
+        attngraph.restore(model)
+    want = expected(batch, 6)
+    diff = (got != want).nonzero().tolist()
+    assert not diff, f"{len(diff)} tokens differ from the copy, first at [row, position] {diff[0]}"
+    # (accelerate's own warm-up forwards of a few tokens launch either kernel as well)
+    assert launches["gemv" if count == 1 else "dot"] > 0 and (count > 1 or launches["dot"] == 0), launches
