@@ -4,7 +4,7 @@
 asynchronous in practice: the driver stages pageable memory through its own buffer and the
 calling thread waits until the copy, queued behind everything already on the stream, has run.
 Without ``non_blocking`` the copy even ends in a stream synchronize. Either way the host cannot
-queue the next step while the device runs this one, and the device then idles for the host's
+queue the next step while the GPU executes the current one, and the GPU then idles for the host's
 whole launch time (a CUDA graph of a thousand kernels takes the host hundreds of microseconds
 to launch).
 

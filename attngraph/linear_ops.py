@@ -135,11 +135,7 @@ def _use_kernel(rows: int, k: int, lead: torch.Tensor, weight: torch.Tensor, max
     """Kernel or torch for the ``[rows, K]`` input ``lead`` (x, or a) and ``weight`` (at most
     ``max_weight`` elements; None: `KERNEL_MAX_WEIGHT`, or at one row `KERNEL_MAX_WEIGHT_ONE_ROW`
     and output heads of any size)."""
-    if rows == 0 or k == 0 or lead.dtype not in _KERNEL_DTYPES or not weight.is_contiguous():
-        return False
-    if k > 1 and lead.stride(-1) != 1:
-        return False
-    if not (_kernel_serves(lead.device) and rows <= KERNEL_MAX_ROWS):
+    if not (0 < rows <= KERNEL_MAX_ROWS and _operands_fit(k, lead, weight)):
         return False
     if max_weight is not None:
         return weight.numel() <= max_weight
@@ -148,16 +144,20 @@ def _use_kernel(rows: int, k: int, lead: torch.Tensor, weight: torch.Tensor, max
     return weight.numel() <= KERNEL_MAX_WEIGHT
 
 
+def _operands_fit(k: int, lead: torch.Tensor, weight: torch.Tensor) -> bool:
+    """What both Triton kernels need: K > 0, bf16 / fp16, a contiguous weight, ``lead`` (x, or
+    a) contiguous along K, on a device the kernels run on."""
+    if k == 0 or lead.dtype not in _KERNEL_DTYPES or not weight.is_contiguous() or (k > 1 and lead.stride(-1) != 1):
+        return False
+    return _kernel_serves(lead.device)
+
+
 def _use_dot(rows: int, k: int, lead: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``rows`` rows of ``lead`` (x, or a) times ``weight`` run on tensor cores."""
-    if not DOT_MIN_ROWS <= rows <= DOT_MAX_ROWS or k == 0 or lead.dtype not in _KERNEL_DTYPES:
-        return False
-    if not weight.is_contiguous() or (k > 1 and lead.stride(-1) != 1):
-        return False
     n = weight.shape[0]
-    if n * k > DOT_MAX_WEIGHT or n >= KERNEL_MIN_HEAD_RATIO * k:
+    if not DOT_MIN_ROWS <= rows <= DOT_MAX_ROWS or n * k > DOT_MAX_WEIGHT or n >= KERNEL_MIN_HEAD_RATIO * k:
         return False
-    return _kernel_serves(lead.device) and _dot_kernels() is not None
+    return _operands_fit(k, lead, weight) and _dot_kernels() is not None
 
 
 def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:

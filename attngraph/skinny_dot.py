@@ -32,7 +32,7 @@ from . import pdl
 from .attn_backends.triton_ops.decode_attention import interpreting
 from .errors import InputError
 from .pdl import gdc_launch_dependents, gdc_wait
-from .skinny_linear import _COUNTERS, _round
+from .skinny_linear import _round, split_plan
 
 __all__ = ["MAX_ROWS", "TUNED", "default_config", "skinny_dot_linear", "skinny_dot_silu_mul_linear"]
 
@@ -209,16 +209,11 @@ def _launch(x, x2, weight, bias, out, config, silu_mul: bool) -> torch.Tensor:
         return out.copy_(bias.expand(m, n)) if bias is not None else out.zero_()
     cfg = default_config(n, k) if config is None else _check_config(config)
     block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg["SPLIT_K"]), block_k) * block_k
-    split_k = triton.cdiv(k, k_per_split)
     blocks = triton.cdiv(n, block_n)
-    part = counters = out  # not read without split-K
+    split_k, k_per_split, counters = split_plan(k, cfg["SPLIT_K"], block_k, blocks, x.device)
+    part = counters = out if counters is None else counters  # part and counters: read with split-K only
     if split_k > 1:
-        counters = _COUNTERS.get(x.device, blocks)
-        if counters is None:  # first split-K launch inside a CUDA-graph capture: no counters yet
-            split_k, k_per_split, counters = 1, triton.cdiv(k, block_k) * block_k, out
-        else:
-            part = torch.empty((split_k, n, 16), dtype=torch.float32, device=x.device)
+        part = torch.empty((split_k, n, 16), dtype=torch.float32, device=x.device)
     x2 = x2 if x2 is not None else x  # read with SILU_MUL only
     upcast = x.dtype == torch.bfloat16 and interpreting()  # the interpreter's bf16 tl.dot (decode_attention.dot_options)
     use_pdl = pdl.enabled(x.device)

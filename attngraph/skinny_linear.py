@@ -347,6 +347,21 @@ class _SplitCounters:
 _COUNTERS = _SplitCounters()
 
 
+def split_plan(k: int, split: int, block_k: int, blocks: int, device: torch.device) -> tuple[int, int, torch.Tensor | None]:
+    """``(split_k, k_per_split, counters)`` of a launch asking for ``split`` K ranges over
+    ``blocks`` column blocks: each range a multiple of ``block_k`` (no chunk straddles two),
+    only the non-empty ones kept; ``counters`` (`_COUNTERS`) with more than one, else None.
+    Inside a CUDA-graph capture before any eager split launch made the counters, one range."""
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k if k else block_k
+    split_k = triton.cdiv(k, k_per_split) if k else 1
+    if split_k == 1:
+        return 1, k_per_split, None
+    counters = _COUNTERS.get(device, blocks)
+    if counters is None:
+        return 1, triton.cdiv(k, block_k) * block_k, None
+    return split_k, k_per_split, counters
+
+
 # ----------------------------------------------------------------------------- launchers
 def _check_out(out: torch.Tensor | None, like: torch.Tensor, m: int, n: int) -> torch.Tensor:
     if out is None:
@@ -399,17 +414,11 @@ def _launch(x, x2, weight, bias, out, config, silu_mul: bool, norm_weight=None, 
         return out
     cfg = default_config(m, n, k, silu_mul=silu_mul, norm=norm) if config is None else _check_config(config)
     block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]
-    # each split's K range: a multiple of BLOCK_K; the splits that remain non-empty
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg["SPLIT_K"]), block_k) * block_k if k else block_k
-    split_k = triton.cdiv(k, k_per_split) if k else 1
     blocks = triton.cdiv(n, block_n)
-    part = counters = out  # not read without split-K
+    split_k, k_per_split, counters = split_plan(k, cfg["SPLIT_K"], block_k, blocks, x.device)
+    part = counters = out if counters is None else counters  # part and counters: read with split-K only
     if split_k > 1:
-        counters = _COUNTERS.get(x.device, blocks)
-        if counters is None:  # first split-K launch of this size inside a CUDA-graph capture
-            split_k, k_per_split, counters = 1, k, out
-        else:
-            part = torch.empty((split_k, rows_padded(m), n), dtype=torch.float32, device=x.device)
+        part = torch.empty((split_k, rows_padded(m), n), dtype=torch.float32, device=x.device)
     x2 = x2 if x2 is not None else x  # the kernel reads it with SILU_MUL or RESIDUAL only
     h_out = h_out if h_out is not None else x  # written with RESIDUAL only
     norm_weight = norm_weight if norm else x  # read with NORM only

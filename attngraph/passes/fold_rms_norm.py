@@ -213,11 +213,6 @@ def fold_rms_norm(gm: fx.GraphModule, fold_residual: bool = True) -> FoldNormRes
             graph.erase_node(h)
             result.with_residual.append(linear.name)
         result.folded.append(linear.name)
-    if result.folded:
-        graph.lint()
-        gm.recompile()
-        logger.info("fold_rms_norm: %d norms folded into linear ops (%d with their residual add)",
-                    len(result.folded), len(result.with_residual))  # fmt: skip
-    for name, reason in result.refused:
-        logger.info("fold_rms_norm: the norm before %s stays: %s", name, reason)
+    summary = f"fold_rms_norm: {len(result.folded)} norms folded into linear ops ({len(result.with_residual)} with their residual add)"
+    fu.finish_rewrite(gm, logger, summary if result.folded else None, result.refused, "fold_rms_norm: the norm before %s stays: %s")
     return result

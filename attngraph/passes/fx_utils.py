@@ -486,3 +486,15 @@ def _clean_path(path: str) -> str:
     path = path.replace("._modules['", ".").replace("']", "")
     path = re.sub(r"^(__self__|self)\.", "", path.strip("."))  # a bound method's receiver
     return path.strip(".")
+
+
+def finish_rewrite(gm: fx.GraphModule, log, summary: str | None, refused: Iterable[tuple[str, str]], refused_format: str) -> None:
+    """A rewriting pass's ending: where it changed the graph (``summary``, the line it logs;
+    None: unchanged) lint and recompile ``gm``; then log each ``(node name, reason)`` of
+    ``refused`` through ``refused_format`` (two ``%s``)."""
+    if summary is not None:
+        gm.graph.lint()
+        gm.recompile()
+        log.info(summary)
+    for name, reason in refused:
+        log.info(refused_format, name, reason)

@@ -39,6 +39,7 @@ import sympy
 import torch
 from torch import fx
 
+from . import fx_utils as fu
 from .fuse_linears import LINEAR_TARGETS
 
 logger = logging.getLogger(__name__)
@@ -204,11 +205,6 @@ def skinny_linears(
             if dead.op in ("call_function", "call_method") and not dead.users and dead in graph.nodes:
                 graph.erase_node(dead)
         result.linears.append(node.name)
-    if result.linears:
-        graph.lint()
-        gm.recompile()
-        logger.info("skinny_linears: %d linears call attngraph.linear (%d with SiLU * up folded in)",
-                    len(result.linears), len(result.silu_mul))  # fmt: skip
-    for name, reason in result.refused:
-        logger.info("skinny_linears: %s left as it was: %s", name, reason)
+    summary = f"skinny_linears: {len(result.linears)} linears call attngraph.linear ({len(result.silu_mul)} with SiLU * up folded in)"
+    fu.finish_rewrite(gm, logger, summary if result.linears else None, result.refused, "skinny_linears: %s left as it was: %s")
     return result
