@@ -4,7 +4,12 @@ Random weights give nearly flat next-token distributions, so a free-running gree
 diverges from HF's after the first bf16 rounding tie, and everything after that differs.
 Greedy agreement is therefore measured teacher-forced: for every generated position of our
 run, HF eager computes the logits on the same prefix, and the argmax must agree at >= 95% of
-positions (4 prompts x 64 tokens); the logits themselves must agree within bf16 tolerance.
+positions (4 prompts x 128 tokens); the logits themselves must agree within bf16 tolerance.
+HF's own bf16 forward agrees with the same model in fp32 at only about 97% of such positions
+(and with its own cached decode at 97-99%; Qwen2 and Llama shapes here, on the CPU), so 95% is
+two to three points under HF's own rounding noise: 512 positions keep a chance flip or two from
+deciding the test. A failure reports the margins at the differing positions and both runs'
+agreement with the fp32 model.
 Both the prefill (paged extend) and every decode step (the captured CUDA graphs) are checked.
 """
 
@@ -25,7 +30,7 @@ COMMON = dict(
     num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, initializer_range=0.02,
 )
 # arch -> (config class, overrides, attention implementation). Windows and chunks of 32 keys
-# are shorter than the prompts plus the 64 new tokens.
+# are shorter than the prompts plus the 128 new tokens.
 SHAPES = {
     "llama": (transformers.LlamaConfig, {}, "sdpa"),
     "qwen2": (transformers.Qwen2Config, {}, "sdpa"),
@@ -130,7 +135,15 @@ def generate_teacher_forced(model, reference, ids, mask, new: int):
     assert_bf16_close(ours, hf)
     same = ours.argmax(-1) == hf.argmax(-1)
     agree = same.float().mean().item()
-    assert agree >= 0.95, f"greedy choice agrees with HF eager at {agree:.1%} of positions; {disagreement_margins(ours, hf, same)}"
+    if agree < 0.95:
+        with torch.no_grad():
+            exact = copy.deepcopy(reference).float()(out.sequences, attention_mask=full_mask).logits[:, ids.shape[1] - 1 : -1]
+        truth = exact.argmax(-1)
+        pytest.fail(
+            f"greedy choice agrees with HF eager at {agree:.1%} of positions; with the fp32 model: ours "
+            f"{(ours.argmax(-1) == truth).float().mean().item():.1%}, HF's bf16 {(hf.argmax(-1) == truth).float().mean().item():.1%}; "
+            f"{disagreement_margins(ours, hf, same)}"
+        )
     return out
 
 
@@ -173,7 +186,7 @@ def test_accelerated_generate_on_gpu(arch, backend):
         cache.free()
     assert_bf16_close(got[valid], want[valid])
     # Free-running generate through the decode graphs, checked step by step against HF eager.
-    new = 64
+    new = 128
     out = generate_teacher_forced(model, reference, ids, mask, new)
     # A plain generate call takes attngraph's own decoding loop (no per-step host sync); the
     # same kernels and graphs on the same batch give the same tokens as HF's loop above.
