@@ -12,7 +12,8 @@ or fp16, the weight is contiguous, the input is contiguous in its last dimension
 tensors are on a CUDA device; on the CPU only under Triton's interpreter (``TRITON_INTERPRET=1``
 before import) and with `CPU_INTERPRETER` set (tests). The tensor-core kernel, likewise, for
 `DOT_MIN_ROWS` to `DOT_MAX_ROWS` rows and weights of at most `DOT_MAX_WEIGHT` elements that are
-no output head. Otherwise ``torch.nn.functional.linear``.
+no output head (the norm folded in where `DOT_FOLD_NORM` is set). Otherwise
+``torch.nn.functional.linear``.
 
 CUDA-graph capture: the only allocation is the output (and split-K partials, ``torch.empty``);
 nothing is read back to the host. Triton is imported on first use, so this module imports on a
@@ -65,6 +66,13 @@ KERNEL_MIN_HEAD_RATIO = 16
 DOT_MIN_ROWS = 3
 DOT_MAX_ROWS = 16
 DOT_MAX_WEIGHT = 1 << 26
+#: Where the tensor-core kernel serves `rms_norm_linear` / `add_rms_norm_linear`, fold the norm
+#: into its operand loads (`skinny_dot.skinny_dot_rms_norm_linear`: every program reads all
+#: rows of x for the statistics) instead of the norm's own launch before it. Off until measured
+#: against the two launches (``benchmarks/bench_generate.py --dot-fold-norm on,off``); with
+#: `DOT_MIN_ROWS` at 1 the kernel also takes the one- and two-row projections the GEMV leaves
+#: to cuBLAS (the 1B gate/up).
+DOT_FOLD_NORM = False
 
 #: What the rows of an op's input are, as `passes.skinny_linears` proved it from the symbolic
 #: sizes of the ragged graph (the op's ``rows`` argument): `ANY_ROWS`, every row is computed;
@@ -304,10 +312,16 @@ def _norm_linear(x, residual, norm_weight, eps, weight, bias, rows) -> tuple[tor
     m = x.numel() // k if k else 0
     real = real_rows(rows, m)
     plain = (residual is None or k <= 1 or residual.stride(-1) == 1) and (bias is None or n <= 1 or bias.stride(0) == 1)
-    if plain and _use_kernel(real, k, x, weight) and norm_weight.is_contiguous():
+    fold = None  # a kernel with the norm folded into its loads: the GEMV, or on tensor cores
+    if plain and norm_weight.is_contiguous():
+        if _use_kernel(real, k, x, weight):
+            fold = _kernels().skinny_rms_norm_linear
+        elif DOT_FOLD_NORM and _use_dot(real, k, x, weight):
+            fold = _dot_kernels().skinny_dot_rms_norm_linear
+    if fold is not None:
         y = x.new_empty((m, n))
         h = x.new_empty((m, k)) if residual is not None else None
-        _kernels().skinny_rms_norm_linear(
+        fold(
             x.reshape(m, k)[:real], norm_weight, eps, weight, bias,
             residual=None if residual is None else residual.reshape(m, k)[:real],
             out=y[:real], h_out=None if h is None else h[:real],

@@ -13,6 +13,9 @@ tall side of the tensor-core tile:
 * ``SILU_MUL``: ``x = silu(a) * b`` (fp32, rounded once to the inputs' dtype) formed as each
   chunk is loaded (correct, but slower than the product's own launch plus the plain kernel:
   the ops do not use it);
+* ``NORM`` (``RESIDUAL``): HF's RMSNorm of ``x`` (``+ residual``) formed as each chunk is
+  loaded, after every program has read all of ``x`` for the rows' statistics: no launch of its
+  own (`skinny_dot_rms_norm_linear`; the ops use it where `linear_ops.DOT_FOLD_NORM` is set);
 * launched with programmatic dependent launch where `attngraph.pdl` allows it: a program loads
   its first weight tile, then waits for the kernel before (whose output ``x`` is).
 
@@ -28,13 +31,14 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import pdl, weight_prefetch
 from .attn_backends.triton_ops.decode_attention import interpreting
 from .errors import InputError
 from .pdl import gdc_launch_dependents, gdc_wait
-from .skinny_linear import _round, split_plan
+from .skinny_linear import _residual_chunk, _rms_norm_chunk, _rms_rstd, _round, check_norm_operands, split_plan
+from .weight_prefetch import prefetch_rows_l2
 
-__all__ = ["MAX_ROWS", "TUNED", "default_config", "skinny_dot_linear", "skinny_dot_silu_mul_linear"]
+__all__ = ["MAX_ROWS", "TUNED", "default_config", "skinny_dot_linear", "skinny_dot_rms_norm_linear", "skinny_dot_silu_mul_linear"]
 
 #: Rows of ``x`` one launch takes (the tensor-core tile's narrow side).
 MAX_ROWS = 16
@@ -66,19 +70,26 @@ def _weight_chunk(w_rows, offs_k, mask_n, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _operand_chunk(x_rows, x2_rows, offs_k, mask_m, K, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr,
-                   UPCAST: tl.constexpr, SOFT_BF16: tl.constexpr):  # fmt: skip
+def _operand_chunk(x_rows, x2_rows, nw_ptr, rstd, offs_k, mask_m, K, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr,
+                   NORM: tl.constexpr, RESIDUAL: tl.constexpr, UPCAST: tl.constexpr, SOFT_BF16: tl.constexpr):  # fmt: skip
     """The ``[16, BLOCK_K]`` chunk of the GEMM's input (rows past M zero) in its dtype (fp32
-    with ``UPCAST``)."""
+    with ``UPCAST``): ``x``; ``silu(x) * x2`` (``SILU_MUL``); or HF's RMSNorm of ``x`` (+ the
+    residual ``x2``) given the rows' ``rstd`` (``NORM``, ``RESIDUAL``), each rounded as the
+    GEMV rounds it."""
     if EVEN_K:
         mask_x = mask_m[:, None]
     else:
         mask_x = mask_m[:, None] & (offs_k < K)[None, :]
-    x = tl.load(x_rows + offs_k[None, :], mask=mask_x, other=0.0)
-    if SILU_MUL:
-        g = x.to(tl.float32)
-        u = tl.load(x2_rows + offs_k[None, :], mask=mask_x, other=0.0).to(tl.float32)
-        x = _round(g / (1.0 + tl.exp(-g)) * u, x.dtype, SOFT_BF16)
+    DTYPE = x_rows.dtype.element_ty
+    if NORM:
+        h = _residual_chunk(x_rows, x2_rows, offs_k, mask_x, RESIDUAL, DTYPE, SOFT_BF16)  # [16, BLOCK_K] fp32
+        x = _rms_norm_chunk(h, nw_ptr, rstd, offs_k, offs_k < K, DTYPE, SOFT_BF16).to(DTYPE)  # on DTYPE's grid already
+    else:
+        x = tl.load(x_rows + offs_k[None, :], mask=mask_x, other=0.0)
+        if SILU_MUL:
+            g = x.to(tl.float32)
+            u = tl.load(x2_rows + offs_k[None, :], mask=mask_x, other=0.0).to(tl.float32)
+            x = _round(g / (1.0 + tl.exp(-g)) * u, x.dtype, SOFT_BF16)
     if UPCAST:
         x = x.to(tl.float32)
     return x
@@ -86,19 +97,25 @@ def _operand_chunk(x_rows, x2_rows, offs_k, mask_m, K, EVEN_K: tl.constexpr, SIL
 
 @triton.jit
 def _skinny_dot_kernel(
-    X, X2, W, Bias, Y, Part, Counters,
-    M, N, K, k_per_split,
-    stride_xm, stride_x2m, stride_wn, stride_ym,
+    X, X2, W, Bias, Y, Part, Counters, NW, H,
+    M, N, K, k_per_split, eps,
+    stride_xm, stride_x2m, stride_wn, stride_ym, stride_hm,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    SOFT_BF16: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, SOFT_BF16: tl.constexpr, USE_PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, LINE: tl.constexpr,
 ):  # fmt: skip
-    """``Y[:M] = h @ W^T (+ Bias)``, ``h = X`` or ``silu(X) * X2``. X, X2: ``[M, K]`` rows
-    ``stride_xm`` / ``stride_x2m`` apart (M <= 16); W: ``[N, K]``, rows ``stride_wn`` apart;
+    """``Y[:M] = h @ W^T (+ Bias)``, ``h = X``, ``silu(X) * X2`` or, with ``NORM``, ``NW *
+    rmsnorm(X)`` (HF's RMSNorm, ``eps``) or, with ``RESIDUAL`` too, of ``X + X2``, whose rows
+    program (0, 0) also stores in H (``[M, K]`` rows ``stride_hm`` apart; every program reads
+    all of X for the rows' statistics). X, X2: ``[M, K]`` rows
+    ``stride_xm`` / ``stride_x2m`` apart (M <= 16); NW: ``[K]``; W: ``[N, K]``, rows ``stride_wn`` apart;
     Y: ``[M, N]`` rows ``stride_ym`` apart. Part: ``[SPLIT_K, N, 16]`` fp32; Counters:
     ``[>= cdiv(N, BLOCK_N)]`` int32 zeros (both read with ``SPLIT_K > 1`` only). A program's K
     range is ``k_per_split`` long, a multiple of ``BLOCK_K``, so only K's end can cut a chunk
-    (``EVEN_K``: K is a multiple of BLOCK_K too, no chunk is cut)."""
+    (``EVEN_K``: K is a multiple of BLOCK_K too, no chunk is cut). ``PREFETCH`` (with
+    ``USE_PDL``): the rest of the program's weight range is asked into L2 before the wait
+    (`attngraph.weight_prefetch`, ``LINE`` elements per line)."""
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns = weight rows
     mask_n = offs_n < N
@@ -108,23 +125,33 @@ def _skinny_dot_kernel(
     k_hi = tl.minimum(k_lo + k_per_split, K)
     w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     x_rows = X + rows.to(tl.int64)[:, None] * stride_xm  # [16, 1]
-    x2_rows = X2 + rows.to(tl.int64)[:, None] * stride_x2m  # [16, 1] (read with SILU_MUL only)
+    x2_rows = X2 + rows.to(tl.int64)[:, None] * stride_x2m  # [16, 1] (read with SILU_MUL or RESIDUAL only)
+    h_rows = H + rows.to(tl.int64)[:, None] * stride_hm  # [16, 1] (written with RESIDUAL only)
+    DTYPE = X.dtype.element_ty
+    h_count = tl.where((pid_n == 0) & (tl.program_id(1) == 0), M, 0)  # rows of H this program stores
     acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)  # y^T
+    rstd = tl.zeros([16], dtype=tl.float32)  # read with NORM only
     k_first = k_lo
     if USE_PDL:
         # The weight is no earlier kernel's output: its first tile loads while the kernel
         # before finishes; x only after gdc_wait (see attngraph.pdl).
         offs_k = k_lo + tl.arange(0, BLOCK_K)
         w = _weight_chunk(w_rows, offs_k, mask_n, K, EVEN_K)
+        if PREFETCH:
+            prefetch_rows_l2(W, offs_n, N, stride_wn, k_lo + BLOCK_K, k_hi, BLOCK_N, BLOCK_K, LINE)
         gdc_wait()
         gdc_launch_dependents()
-        x = _operand_chunk(x_rows, x2_rows, offs_k, mask_m, K, EVEN_K, SILU_MUL, UPCAST, SOFT_BF16)
+        if NORM:  # the rows' statistics need all of x: every program reads it (from L2)
+            rstd = _rms_rstd(x_rows, x2_rows, h_rows, K, eps, mask_m, h_count, 16, BLOCK_K, RESIDUAL, DTYPE, SOFT_BF16)
+        x = _operand_chunk(x_rows, x2_rows, NW, rstd, offs_k, mask_m, K, EVEN_K, SILU_MUL, NORM, RESIDUAL, UPCAST, SOFT_BF16)
         acc = tl.dot(w.to(x.dtype), tl.trans(x), acc, input_precision=PRECISION)
         k_first = k_lo + BLOCK_K
+    elif NORM:
+        rstd = _rms_rstd(x_rows, x2_rows, h_rows, K, eps, mask_m, h_count, 16, BLOCK_K, RESIDUAL, DTYPE, SOFT_BF16)
     for k0 in range(k_first, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
         w = _weight_chunk(w_rows, offs_k, mask_n, K, EVEN_K)
-        x = _operand_chunk(x_rows, x2_rows, offs_k, mask_m, K, EVEN_K, SILU_MUL, UPCAST, SOFT_BF16)
+        x = _operand_chunk(x_rows, x2_rows, NW, rstd, offs_k, mask_m, K, EVEN_K, SILU_MUL, NORM, RESIDUAL, UPCAST, SOFT_BF16)
         acc = tl.dot(w.to(x.dtype), tl.trans(x), acc, input_precision=PRECISION)  # [BLOCK_N, 16]
     y_ptrs = Y + rows[None, :] * stride_ym + offs_n[:, None]  # [BLOCK_N, 16]
     y_mask = mask_n[:, None] & mask_m[None, :]
@@ -200,9 +227,16 @@ def _check_operands(what: str, x: torch.Tensor, weight: torch.Tensor, out: torch
     return out
 
 
-def _launch(x, x2, weight, bias, out, config, silu_mul: bool) -> torch.Tensor:
+def _launch(x, x2, weight, bias, out, config, silu_mul: bool, norm_weight=None, eps: float = 0.0, h_out=None) -> torch.Tensor:
+    """Launch the kernel for validated operands (``x``, ``x2``: ``[M, K]``; ``out``: ``[M, N]``;
+    with ``norm_weight`` ``[K]`` the RMSNorm prologue, of ``x + x2`` into ``h_out`` when ``x2``
+    is given)."""
     m, k = x.shape
     n = weight.shape[0]
+    norm = norm_weight is not None
+    residual = norm and x2 is not None
+    if residual and m and (n == 0 or k == 0):  # no launch: the residual stream still
+        h_out.copy_((x.float() + x2.float()).to(x.dtype))
     if m == 0 or n == 0:
         return out
     if k == 0:  # an empty sum: the bias alone
@@ -214,17 +248,20 @@ def _launch(x, x2, weight, bias, out, config, silu_mul: bool) -> torch.Tensor:
     part = counters = out if counters is None else counters  # part and counters: read with split-K only
     if split_k > 1:
         part = torch.empty((split_k, n, 16), dtype=torch.float32, device=x.device)
-    x2 = x2 if x2 is not None else x  # read with SILU_MUL only
+    x2 = x2 if x2 is not None else x  # read with SILU_MUL or RESIDUAL only
+    h_out = h_out if h_out is not None else x  # written with RESIDUAL only
+    norm_weight = norm_weight if norm else x  # read with NORM only
     upcast = x.dtype == torch.bfloat16 and interpreting()  # the interpreter's bf16 tl.dot (decode_attention.dot_options)
     use_pdl = pdl.enabled(x.device)
+    prefetch = use_pdl and weight_prefetch.enabled(x.device)
     guard = torch.cuda.device(x.device) if x.is_cuda and x.device.index != torch.cuda.current_device() else nullcontext()
     with guard:
         _skinny_dot_kernel[(blocks, split_k)](
-            x, x2, weight, bias if bias is not None else weight, out, part, counters,
-            m, n, k, k_per_split, x.stride(0), x2.stride(0), weight.stride(0), out.stride(0),
+            x, x2, weight, bias if bias is not None else weight, out, part, counters, norm_weight, h_out,
+            m, n, k, k_per_split, float(eps), x.stride(0), x2.stride(0), weight.stride(0), out.stride(0), h_out.stride(0),
             BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, EVEN_K=k % block_k == 0,
-            HAS_BIAS=bias is not None, SILU_MUL=silu_mul, UPCAST=upcast, PRECISION="ieee" if upcast else "tf32",
-            SOFT_BF16=upcast, USE_PDL=use_pdl,
+            HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm, RESIDUAL=residual, UPCAST=upcast, PRECISION="ieee" if upcast else "tf32",
+            SOFT_BF16=upcast, USE_PDL=use_pdl, PREFETCH=prefetch, LINE=min(weight_prefetch.line_elements(weight), block_k),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch_options(use_pdl),
         )  # fmt: skip
     return out
@@ -261,3 +298,33 @@ def skinny_dot_silu_mul_linear(a: torch.Tensor, b: torch.Tensor, weight: torch.T
     if b.dim() == 2 and b.shape[1] > 1 and b.stride(1) != 1:
         raise InputError(f"{what}: b must be contiguous in its last dimension; got strides {tuple(b.stride())}")
     return _launch(a, b, weight, None, out, config, silu_mul=True)
+
+
+def skinny_dot_rms_norm_linear(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    h_out: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """``F.linear(rms_norm(h), weight, bias)`` on tensor cores with HF's RMSNorm folded into the
+    operand's loads (no launch of its own): ``h = x`` or, with ``residual``, ``h = x +
+    residual`` (rounded to x's dtype, written to ``h_out``: the residual stream the model reads
+    next); ``rms_norm(h) = norm_weight * (h * rsqrt(mean(h^2) + eps)).to(dtype)`` in fp32 with
+    HF's two roundings, as `attngraph.skinny_linear.skinny_rms_norm_linear`.
+
+    ``x``, ``residual``: ``[M, K]`` (``M <= 16``; unit stride along K; bf16 or fp16);
+    ``norm_weight``: ``[K]`` contiguous; ``weight``: ``[N, K]`` contiguous; ``bias``: ``[N]`` or
+    None -> ``[M, N]``. ``h_out``: ``[M, K]`` (a new one when None and ``residual`` is given).
+    ``out``, ``config``: as for `skinny_dot_linear`. Every program reads all of ``h`` for the
+    rows' statistics (from L2: ``M * K`` elements per program).
+    """
+    what = "skinny_dot_rms_norm_linear"
+    out = _check_operands(what, x, weight, out)
+    h_out = check_norm_operands(what, x, residual, h_out, norm_weight, bias, weight.shape[0])
+    return _launch(x, residual, weight, bias, out, config, silu_mul=False, norm_weight=norm_weight, eps=eps, h_out=h_out)

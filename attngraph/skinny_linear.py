@@ -30,8 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import pdl, weight_prefetch
 from .pdl import gdc_launch_dependents, gdc_wait
+from .weight_prefetch import prefetch_rows_l2
 from .attn_backends.triton_ops.decode_attention import interpreter_problem, interpreting
 from .errors import InputError
 
@@ -168,7 +169,7 @@ def _skinny_linear_kernel(
     stride_xm, stride_x2m, stride_wn, stride_ym, stride_hm,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-    SOFT_BF16: tl.constexpr, USE_PDL: tl.constexpr,
+    SOFT_BF16: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr,
 ):  # fmt: skip
     """``Y[:M] = h @ W^T (+ Bias)`` with ``h = X``; with ``SILU_MUL``, ``h = silu(X) * X2``
     (fp32, rounded to X's dtype); with ``NORM``, ``h = NW * rmsnorm(X)`` (HF's RMSNorm, ``eps``)
@@ -178,7 +179,9 @@ def _skinny_linear_kernel(
     Part: ``[SPLIT_K, ROWS, N]`` fp32 partials; Counters: ``[>= cdiv(N, BLOCK_N)]`` int32 zeros
     (read only when ``SPLIT_K > 1``). A program's K range is ``k_per_split`` long, a multiple
     of ``BLOCK_K``, so no chunk straddles two splits. ``SOFT_BF16``: round to bf16 by integer
-    arithmetic (under Triton's interpreter, whose own conversion truncates)."""
+    arithmetic (under Triton's interpreter, whose own conversion truncates). ``PREFETCH`` (with
+    ``USE_PDL``): the rest of the program's weight range is asked into L2 before the wait
+    (`attngraph.weight_prefetch`, ``LINE`` elements per line)."""
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns = weight rows
     mask_n = offs_n < N
@@ -207,6 +210,8 @@ def _skinny_linear_kernel(
         mask_k = offs_k < k_hi
         w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
                     eviction_policy="evict_first")  # fmt: skip
+        if PREFETCH:
+            prefetch_rows_l2(W, offs_n, N, stride_wn, k_lo + BLOCK_K, k_hi, BLOCK_N, BLOCK_K, LINE)
         gdc_wait()
         gdc_launch_dependents()
         if NORM:  # the row statistics need all of x: every program reads it once (from L2)
@@ -363,15 +368,42 @@ def split_plan(k: int, split: int, block_k: int, blocks: int, device: torch.devi
 
 
 # ----------------------------------------------------------------------------- launchers
-def _check_out(out: torch.Tensor | None, like: torch.Tensor, m: int, n: int) -> torch.Tensor:
+def _check_out(out: torch.Tensor | None, like: torch.Tensor, m: int, n: int, name: str = "out") -> torch.Tensor:
     if out is None:
         return torch.empty((m, n), dtype=like.dtype, device=like.device)
     if tuple(out.shape) != (m, n) or out.dtype != like.dtype or out.device != like.device or (m and n and out.stride(1) != 1):
         raise InputError(
-            f"out must be a {like.dtype} [{m}, {n}] tensor on {like.device}, contiguous in its last dimension; got "
+            f"{name} must be a {like.dtype} [{m}, {n}] tensor on {like.device}, contiguous in its last dimension; got "
             f"{out.dtype} {tuple(out.shape)} with strides {tuple(out.stride())} on {out.device}"
         )
     return out
+
+
+def check_norm_operands(what: str, x: torch.Tensor, residual: torch.Tensor | None, h_out: torch.Tensor | None,
+                        norm_weight: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor | None:  # fmt: skip
+    """The norm fold's operands against a validated ``x: [M, K]`` and ``n`` output columns (both
+    kernels' launchers): ``residual`` like x (unit stride along K), ``h_out`` ``[M, K]`` only
+    with a residual, ``norm_weight`` ``[K]`` and ``bias`` ``[n]`` contiguous in x's dtype.
+    Returns ``h_out`` (a new one when None and a residual is given)."""
+    m, k = x.shape
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device or (
+            k > 1 and residual.stride(1) != 1
+        ):
+            raise InputError(f"{what}: residual must match x ({x.dtype} {tuple(x.shape)} on {x.device}), contiguous in its "
+                             f"last dimension; got {residual.dtype} {tuple(residual.shape)} on {residual.device}")  # fmt: skip
+        h_out = _check_out(h_out, x, m, k, "h_out")
+    elif h_out is not None:
+        raise InputError(f"{what}: h_out is written only with a residual")
+    if tuple(norm_weight.shape) != (k,) or norm_weight.dtype != x.dtype or norm_weight.device != x.device or (
+        k > 1 and norm_weight.stride(0) != 1
+    ):
+        raise InputError(f"{what}: norm_weight must be a contiguous {x.dtype} [{k}] on {x.device}; got "
+                         f"{norm_weight.dtype} {tuple(norm_weight.shape)}")  # fmt: skip
+    if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype != x.dtype or bias.device != x.device
+                             or (n > 1 and bias.stride(0) != 1)):  # fmt: skip
+        raise InputError(f"{what}: bias must be a contiguous {x.dtype} [{n}] on {x.device}; got {bias.dtype} {tuple(bias.shape)}")
+    return h_out
 
 
 def _check_weight(weight: torch.Tensor, k: int, like: torch.Tensor, what: str) -> int:
@@ -423,6 +455,7 @@ def _launch(x, x2, weight, bias, out, config, silu_mul: bool, norm_weight=None, 
     h_out = h_out if h_out is not None else x  # written with RESIDUAL only
     norm_weight = norm_weight if norm else x  # read with NORM only
     use_pdl = pdl.enabled(x.device)
+    prefetch = use_pdl and weight_prefetch.enabled(x.device)
     # Triton launches on the current device
     guard = torch.cuda.device(x.device) if x.is_cuda and x.device.index != torch.cuda.current_device() else nullcontext()
     with guard:
@@ -432,7 +465,8 @@ def _launch(x, x2, weight, bias, out, config, silu_mul: bool, norm_weight=None, 
             ROWS=rows_padded(m), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
             HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm, RESIDUAL=residual,
             SOFT_BF16=x.dtype == torch.bfloat16 and interpreting(),
-            USE_PDL=use_pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch_options(use_pdl),
+            USE_PDL=use_pdl, PREFETCH=prefetch, LINE=min(weight_prefetch.line_elements(weight), block_k),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch_options(use_pdl),
         )  # fmt: skip
     return out
 
@@ -515,24 +549,8 @@ def skinny_rms_norm_linear(
     """
     what = "skinny_rms_norm_linear"
     _check_rows("x", x, what)
-    k = x.shape[1]
-    if residual is not None:
-        _check_rows("residual", residual, what)
-        if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
-            raise InputError(f"{what}: residual must match x ({x.dtype} {tuple(x.shape)} on {x.device}); got "
-                             f"{residual.dtype} {tuple(residual.shape)} on {residual.device}")  # fmt: skip
-        h_out = _check_out(h_out, x, x.shape[0], k)
-    elif h_out is not None:
-        raise InputError(f"{what}: h_out is written only with a residual")
-    if tuple(norm_weight.shape) != (k,) or norm_weight.dtype != x.dtype or norm_weight.device != x.device or (
-        k > 1 and norm_weight.stride(0) != 1
-    ):
-        raise InputError(f"{what}: norm_weight must be a contiguous {x.dtype} [{k}] on {x.device}; got "
-                         f"{norm_weight.dtype} {tuple(norm_weight.shape)}")  # fmt: skip
-    n = _check_weight(weight, k, x, what)
-    if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype != x.dtype or bias.device != x.device
-                             or (n > 1 and bias.stride(0) != 1)):  # fmt: skip
-        raise InputError(f"{what}: bias must be a contiguous {x.dtype} [{n}] on {x.device}; got {bias.dtype} {tuple(bias.shape)}")
+    n = _check_weight(weight, x.shape[1], x, what)
+    h_out = check_norm_operands(what, x, residual, h_out, norm_weight, bias, n)
     out = _check_out(out, x, x.shape[0], n)
     return _launch(x, residual, weight, bias, out, config, silu_mul=False, norm_weight=norm_weight, eps=eps, h_out=h_out)
 

@@ -15,6 +15,10 @@ choice on the row's own prefix).
         --loops chunks,steps --skinny on,off   # the decoding loops and the GEMV side by side
     python benchmarks/bench_generate.py --shapes 1b,8b --batches 1,16 --backends triton \
         --pdl on,ours,off   # programmatic dependent launch: all kernels, attngraph's only, none
+    python benchmarks/bench_generate.py --shapes 1b,8b --batches 1,16 --backends triton \
+        --prefetch on,off   # the projections' weights asked into L2 before the PDL wait, or not
+    python benchmarks/bench_generate.py --shapes 1b --batches 1,16 --backends triton \
+        --dot-fold-norm on,off --dot-min-rows 3,1   # norm in the tensor-core kernel; 1-2 rows on it
     python benchmarks/plot_generate.py benchmarks/results/generate.json --png benchmarks/generate.png
 """
 
@@ -36,6 +40,7 @@ from attngraph import linear_ops
 
 ONE_ROW_DEFAULT = linear_ops.KERNEL_MAX_WEIGHT_ONE_ROW
 DOT_DEFAULTS = (linear_ops.DOT_MAX_ROWS, linear_ops.DOT_MAX_WEIGHT)
+DOT_FOLD_NORM_DEFAULT, DOT_MIN_ROWS_DEFAULT = linear_ops.DOT_FOLD_NORM, linear_ops.DOT_MIN_ROWS
 
 
 def llama_1b(layers: int) -> transformers.LlamaConfig:
@@ -161,6 +166,15 @@ def main() -> None:
     p.add_argument("--skinny", default="on", help="CompileConfig.skinny_linears: on (the default on CUDA) and/or off, comma-separated")
     p.add_argument("--dot", default="on",
                    help="3-16 token rows on the tensor-core kernel (linear_ops.DOT_MAX_ROWS): on (the default) and/or off")
+    p.add_argument("--prefetch", default="default",
+                   help="attngraph.weight_prefetch.ENABLED (the projections' weights asked into L2 before the PDL wait): "
+                        "default (the module's), on and/or off, comma-separated")  # fmt: skip
+    p.add_argument("--dot-fold-norm", default="default",
+                   help="linear_ops.DOT_FOLD_NORM (RMSNorm folded into the tensor-core kernel's loads): default (the "
+                        "module's), on and/or off, comma-separated")  # fmt: skip
+    p.add_argument("--dot-min-rows", default="default",
+                   help="linear_ops.DOT_MIN_ROWS (1: one and two rows the GEMV declines go to the tensor-core kernel, "
+                        "not cuBLAS): default (the module's) and/or values, comma-separated")  # fmt: skip
     p.add_argument("--fold-rms-norm", default="on", help="CompileConfig.fold_rms_norm: on (the default) and/or off, comma-separated")
     p.add_argument("--pdl", default="on",
                    help="programmatic dependent launch (attngraph.pdl): on (attngraph's kernels and inductor's), ours "
@@ -176,6 +190,12 @@ def main() -> None:
         p.error("--repeats must be at least 1")
     if bad := [v for v in args.dot.split(",") if v not in ("on", "off")]:
         p.error(f"--dot takes on and/or off; got {', '.join(bad)}")
+    if bad := [v for v in args.dot_fold_norm.split(",") if v not in ("default", "on", "off")]:
+        p.error(f"--dot-fold-norm takes default, on and/or off; got {', '.join(bad)}")
+    if bad := [v for v in args.dot_min_rows.split(",") if v != "default" and not (v.isdigit() and 1 <= int(v) <= 16)]:
+        p.error(f"--dot-min-rows takes 'default' or row counts 1-16; got {', '.join(bad)}")
+    if bad := [v for v in args.prefetch.split(",") if v not in ("default", "on", "off")]:
+        p.error(f"--prefetch takes default, on and/or off; got {', '.join(bad)}")
     if bad := [v for v in args.fold_rms_norm.split(",") if v not in ("on", "off")]:
         p.error(f"--fold-rms-norm takes on and/or off; got {', '.join(bad)}")
     if bad := [v for v in args.pdl.split(",") if v not in PDL_LABELS]:
@@ -186,6 +206,10 @@ def main() -> None:
         sys.exit("bench_generate.py needs a CUDA device (it times bf16 generate on the GPU); "
                  "on a CPU `attngraph generate llama --tiny --prompt ...` compares tokens/s")  # fmt: skip
     from bench_prefill import random_model
+
+    from attngraph import weight_prefetch  # imports Triton
+
+    prefetch_default = weight_prefetch.ENABLED
 
     bw = copy_bandwidth()
     batches = [int(b) for b in args.batches.split(",")]
@@ -218,14 +242,22 @@ def main() -> None:
                     except Exception as exc:
                         add("HF static cache + torch.compile", b, error=f"{type(exc).__name__}: {exc}"[:500])
                     torch._dynamo.reset()
-        variants = [(name, skinny, fold, pdl, limit, dot) for name in args.backends.split(",") if name
+        variants = [(name, skinny, fold, pdl, limit, dot, pf, dfold, dmin) for name in args.backends.split(",") if name
                     for skinny in args.skinny.split(",") for fold in args.fold_rms_norm.split(",") for pdl in args.pdl.split(",")
-                    for limit in args.one_row_limit.split(",") for dot in args.dot.split(",")]  # fmt: skip
-        for name, skinny, fold, pdl, limit, dot in variants:
+                    for limit in args.one_row_limit.split(",") for dot in args.dot.split(",")
+                    for pf in args.prefetch.split(",") for dfold in args.dot_fold_norm.split(",")
+                    for dmin in args.dot_min_rows.split(",")]  # fmt: skip
+        for name, skinny, fold, pdl, limit, dot, pf, dfold, dmin in variants:
             label = f"attngraph[{name}]" + ("" if skinny == "on" else " skinny_linears=False") + PDL_LABELS[pdl]
             label += "" if fold == "on" else " fold_rms_norm=False"
             label += "" if limit == "default" else f" one-row GEMV <= {limit}"
             label += "" if dot == "on" else " dot=off"
+            label += "" if pf == "default" else f" prefetch={pf}"
+            label += "" if dfold == "default" else f" dot-fold-norm={dfold}"
+            label += "" if dmin == "default" else f" dot-min-rows={dmin}"
+            linear_ops.DOT_FOLD_NORM = DOT_FOLD_NORM_DEFAULT if dfold == "default" else dfold == "on"
+            linear_ops.DOT_MIN_ROWS = DOT_MIN_ROWS_DEFAULT if dmin == "default" else int(dmin)
+            weight_prefetch.ENABLED = prefetch_default if pf == "default" else pf == "on"  # read at capture
             # off: no row count runs the tensor-core kernel, and the pass wraps no linear for it
             linear_ops.DOT_MAX_ROWS, linear_ops.DOT_MAX_WEIGHT = (DOT_DEFAULTS if dot == "on" else (0, 0))
             attngraph.pdl.ENABLED, attngraph.pdl.INDUCTOR = pdl != "off", pdl == "on"  # read at compile and capture

@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 
 from attngraph import linear_ops  # noqa: E402
 from attngraph import rms_norm  # noqa: E402
+from attngraph import skinny_dot as sd  # noqa: E402
 from attngraph import skinny_linear as sl  # noqa: E402
 from attngraph.errors import InputError  # noqa: E402
 
@@ -119,6 +120,71 @@ def test_norm_launcher_refusals(device):
         sl.skinny_rms_norm_linear(x, nw, 1e-6, w[:, :8])
 
 
+# ----------------------------------------------------------------------------- the tensor-core launcher
+def dot_config(bn: int, bk: int, split: int = 1) -> dict:
+    return dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add_norm"])
+def test_dot_norm_linear_matches_hf(device, dtype, m, residual):
+    """The norm folded into the tensor-core kernel: N and K tails (37 x 100 over 16 x 32
+    tiles), strided rows, bias; ``h`` bit-equal to torch's addition, written once."""
+    x, r, nw, w, b = make_norm(m * 3 + residual, m, 37, 100, dtype, device, bias=True, row_pad=7 if m % 2 else 0)
+    eps = 1e-5
+    h_want = x + r if residual else x
+    normed = hf_norm(h_want, nw, eps)
+    if residual:
+        h = torch.empty(m, 100, dtype=dtype, device=device)
+        y = sd.skinny_dot_rms_norm_linear(x, nw, eps, w, b, residual=r, h_out=h, config=dot_config(16, 32))
+        assert torch.equal(h, h_want)
+    else:
+        y = sd.skinny_dot_rms_norm_linear(x, nw, eps, w, b, config=dot_config(16, 32))
+    assert_close_to_reference(y, normed, w, b, norm_slack(normed, w))
+
+
+@pytest.mark.parametrize("cfg", [dot_config(16, 32, split=2), dot_config(32, 16, split=4), dot_config(16, 64, split=3)],
+                         ids=lambda c: "n{BLOCK_N}-k{BLOCK_K}-split{SPLIT_K}".format(**c))  # fmt: skip
+@pytest.mark.parametrize("k", [96, 100])
+def test_dot_norm_linear_split_k(device, cfg, k):
+    """Split K with K even and cut: every split reads all rows for the statistics, one
+    program writes ``h``; the counters end at zero."""
+    x, r, nw, w, _ = make_norm(k + cfg["SPLIT_K"], 5, 70, k, torch.bfloat16, device)
+    h = torch.empty(5, k, dtype=torch.bfloat16, device=device)
+    y = sd.skinny_dot_rms_norm_linear(x, nw, 1e-6, w, residual=r, h_out=h, config=cfg)
+    assert torch.equal(h, x + r)
+    normed = hf_norm(x + r, nw, 1e-6)
+    assert_close_to_reference(y, normed, w, None, norm_slack(normed, w))
+    counters = sl._COUNTERS._by_device.get(x.device)
+    assert counters is None or int(counters.abs().sum()) == 0
+
+
+def test_dot_norm_linear_equals_norm_then_dot(device):
+    """The fold's normed operand is the standalone norm kernel's, bit for bit: the same
+    products as the norm's own launch followed by the plain tensor-core kernel."""
+    x, r, nw, w, b = make_norm(15, 6, 48, 128, torch.bfloat16, device, bias=True)
+    folded = sd.skinny_dot_rms_norm_linear(x, nw, 1e-6, w, b, residual=r, config=dot_config(16, 32, split=2))
+    normed, _ = rms_norm.add_rms_norm(x, nw, 1e-6, r)
+    assert torch.equal(folded, sd.skinny_dot_linear(normed, w, b, config=dot_config(16, 32, split=2)))
+
+
+def test_dot_norm_launcher_refusals(device):
+    x, r, nw, w, _ = make_norm(16, 3, 32, 64, torch.bfloat16, device)
+    with pytest.raises(InputError, match="residual must match"):
+        sd.skinny_dot_rms_norm_linear(x, nw, 1e-6, w, residual=r[:1])
+    with pytest.raises(InputError, match="norm_weight must be"):
+        sd.skinny_dot_rms_norm_linear(x, nw[:8], 1e-6, w)
+    with pytest.raises(InputError, match="h_out is written only"):
+        sd.skinny_dot_rms_norm_linear(x, nw, 1e-6, w, h_out=torch.empty_like(x))
+    with pytest.raises(InputError, match="h_out must be"):
+        sd.skinny_dot_rms_norm_linear(x, nw, 1e-6, w, residual=r, h_out=torch.empty(3, 8, dtype=torch.bfloat16, device=device))
+    with pytest.raises(InputError, match="bias must be"):
+        sd.skinny_dot_rms_norm_linear(x, nw, 1e-6, w, torch.zeros(31, dtype=torch.bfloat16, device=device))
+    with pytest.raises(InputError, match="bfloat16 or float16"):
+        sd.skinny_dot_rms_norm_linear(x.float(), nw.float(), 1e-6, w.float())
+
+
 # ----------------------------------------------------------------------------- the standalone norm
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("residual", [False, True], ids=["norm", "add_norm"])
@@ -185,6 +251,33 @@ def test_ops_past_the_kernel_run_one_norm_then_cublas(kernel_ops, launches, monk
     normed, _ = standalone(x, nw, 1e-6, r if residual else None)
     assert not launches and norms == [1]
     assert torch.equal(y, F.linear(normed, w, b))
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add_norm"])
+def test_ops_fold_the_norm_into_tensor_cores_where_asked(kernel_ops, launches, monkeypatch, residual):
+    """`DOT_FOLD_NORM`: rows on tensor cores take the norm in the kernel's loads (no norm
+    launch); with `DOT_MIN_ROWS` at 1, so does one row of a weight the GEMV declines."""
+    device = kernel_ops
+    monkeypatch.setattr(linear_ops, "KERNEL_MAX_ROWS", 2)
+    monkeypatch.setattr(linear_ops, "DOT_FOLD_NORM", True)
+    monkeypatch.setattr(rms_norm, "add_rms_norm", lambda *a: pytest.fail("the norm ran its own launch"))
+    dots = []
+    launch = sd._launch
+    monkeypatch.setattr(sd, "_launch", lambda *a, **kw: dots.append(kw.get("norm_weight") is not None) or launch(*a, **kw))
+    for m, dot_min, one_row_limit in ((5, 3, linear_ops.KERNEL_MAX_WEIGHT_ONE_ROW), (1, 1, 0)):
+        monkeypatch.setattr(linear_ops, "DOT_MIN_ROWS", dot_min)
+        monkeypatch.setattr(linear_ops, "KERNEL_MAX_WEIGHT_ONE_ROW", one_row_limit)  # 0: the GEMV declines one row
+        monkeypatch.setattr(linear_ops, "KERNEL_MIN_HEAD_RATIO", 1 << 20)
+        x, r, nw, w, b = make_norm(20 + m, m, 37, 100, torch.bfloat16, device, bias=True)
+        if residual:
+            y, h = torch.ops.attngraph.add_rms_norm_linear(x, r, nw, 1e-6, w, b)
+            assert torch.equal(h, x + r)
+            want = sd.skinny_dot_rms_norm_linear(x, nw, 1e-6, w, b, residual=r)
+        else:
+            y = torch.ops.attngraph.rms_norm_linear(x, nw, 1e-6, w, b)
+            want = sd.skinny_dot_rms_norm_linear(x, nw, 1e-6, w, b)
+        assert torch.equal(y, want)
+    assert not launches and dots == [True] * 4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

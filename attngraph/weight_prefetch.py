@@ -1,0 +1,64 @@
+"""Ask L2 for a projection's weight while the kernel before it still runs.
+
+Under programmatic dependent launch (`attngraph.pdl`) a GEMV or small-GEMM program starts
+before its input ``x`` exists; until ``gdc_wait()`` returns it may read only what no recent
+kernel writes: the weight. The kernels here already load their first weight chunk into
+registers there. A program's remaining chunks would follow only after the wait, so a projection
+behind a latency-bound kernel (the o projection behind decode attention, a few microseconds
+that use little of the memory bandwidth) streams most of its weight after that kernel ends.
+`prefetch_rows_l2` issues ``prefetch.global.L2`` for the rest of the program's weight range,
+one per 128-byte line, and holds no registers for it: the loads after the wait find the lines
+in L2 (50 MB on an H200: a 1B projection's 8-32 MB fit).
+
+Only programs resident before the wait prefetch early; the others issue their prefetches right
+before their own loads, which costs a few instructions. A prefetch is a hint: it changes no
+result, and row and column indices are clamped into the weight, so no line outside it is asked
+for.
+
+`ENABLED` (``ATTNGRAPH_WEIGHT_PREFETCH=1``) is off by default until it is measured against the
+kernels without it (``benchmarks/bench_generate.py --prefetch on,off``); `enabled` applies it
+only where the kernels launch with PDL. A CUDA graph keeps what was set when it was captured.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import pdl
+
+#: Prefetch the rest of each program's weight range into L2 before ``gdc_wait`` (see the module).
+ENABLED = os.environ.get("ATTNGRAPH_WEIGHT_PREFETCH", "0") == "1"
+
+#: Bytes per L2 line on the GPUs with PDL (Hopper, Blackwell).
+LINE_BYTES = 128
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels launched on ``device`` now prefetch: `ENABLED` and PDL (`pdl.enabled`)."""
+    return ENABLED and pdl.enabled(device)
+
+
+def line_elements(weight: torch.Tensor) -> int:
+    """Elements of ``weight``'s dtype per L2 line (64 for bf16 / fp16)."""
+    return max(LINE_BYTES // weight.element_size(), 1)
+
+
+@triton.jit
+def prefetch_rows_l2(W, offs_n, N, stride_wn, k_from, k_hi, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     LINE: tl.constexpr):  # fmt: skip
+    """``prefetch.global.L2`` of the weight rows ``offs_n`` (``[BLOCK_N]``; those past ``N``
+    clamped to the last row) over columns ``[k_from, k_hi)``, one per ``LINE`` elements (one
+    128-byte line; the last clamped to ``k_hi - 1``), walked ``BLOCK_K`` columns at a time.
+    W: ``[N, K]``, rows ``stride_wn`` apart. Nothing is returned or written."""
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    w_rows = W + rows[:, None] * stride_wn  # [BLOCK_N, 1]
+    for k0 in range(k_from, k_hi, BLOCK_K):
+        offs = tl.minimum(k0 + tl.arange(0, BLOCK_K // LINE) * LINE, k_hi - 1)  # [BLOCK_K // LINE]
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [w_rows + offs[None, :]],
+            dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip

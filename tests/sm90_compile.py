@@ -1,0 +1,57 @@
+"""Compile attngraph's Triton kernels for Hopper (sm_90) on a machine without a GPU.
+
+Triton lowers a kernel to PTX with its own LLVM and assembles it with the ptxas it ships, as its
+launcher would on an H100 / H200; no driver is needed. The tests use it to check what only the
+GPU would otherwise show: that inline PTX assembles, where instructions sit relative to
+``griddepcontrol.wait``, and that a kernel spills nothing to local memory.
+
+Run in a process without ``TRITON_INTERPRET`` (the interpreter replaces ``@triton.jit``
+functions, which then cannot compile): ``python tests/sm90_compile.py SPEC_JSON`` prints one
+JSON object per spec. A spec: ``{"kernel": "module:name", "types": {arg: "*bf16" | "fp32" |
+...}, "constexprs": {arg: value}, "options": {"num_warps": 4, ...}}``; arguments in neither map
+are ``i32``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+
+def compile_sm90(kernel, types: dict, constexprs: dict, options: dict) -> dict:
+    """``kernel`` compiled for sm_90: ``{"ptx": str, "regs": int, "local_bytes": int}``
+    (registers per thread and local memory per thread, from the cubin's resource usage)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    params = list(inspect.signature(kernel.fn).parameters)
+    signature = {p: "constexpr" if p in constexprs else types.get(p, "i32") for p in params}
+    src = ASTSource(fn=kernel, signature=signature, constexprs={(params.index(k),): v for k, v in constexprs.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    tools = os.path.join(os.path.dirname(importlib.import_module("triton.backends.nvidia").__file__), "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout  # fmt: skip
+    regs = re.search(r"REG:(\d+)", usage)
+    local = re.search(r"LOCAL:(\d+)", usage)
+    return {"ptx": compiled.asm["ptx"], "regs": int(regs.group(1)), "local_bytes": int(local.group(1))}
+
+
+def main(specs: list[dict]) -> None:
+    for spec in specs:
+        module, name = spec["kernel"].split(":")
+        kernel = getattr(importlib.import_module(module), name)
+        print(json.dumps(compile_sm90(kernel, spec.get("types", {}), spec.get("constexprs", {}), spec.get("options", {}))))
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

@@ -1,0 +1,135 @@
+"""`attngraph.weight_prefetch`: the rest of a program's weight asked into L2 before the PDL wait.
+
+* CPU: the GEMV (`attngraph.skinny_linear`: plain, SiLU * up with split K, residual + RMSNorm
+  with a bias) and the tensor-core kernel (`attngraph.skinny_dot`: split K; residual + RMSNorm
+  with a bias) compiled for sm_90
+  with Triton's ptxas: with ``PREFETCH`` every ``prefetch.global.L2`` precedes
+  ``griddepcontrol.wait`` and nothing spills; without it there is none.
+* GPU: the kernels' outputs with prefetching are bit-equal to those without, eagerly and
+  replayed from a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def _ptxas_missing() -> str | None:
+    spec = importlib.util.find_spec("triton.backends.nvidia")
+    if spec is None or spec.origin is None:
+        return "Triton without its NVIDIA backend"
+    tools = os.path.join(os.path.dirname(spec.origin), "bin")
+    missing = [t for t in ("ptxas", "cuobjdump") if not os.path.exists(os.path.join(tools, t))]
+    return f"Triton ships no {', '.join(missing)}" if missing else None
+
+
+GEMV = dict(ROWS=1, BLOCK_N=4, BLOCK_K=1024, SPLIT_K=1, HAS_BIAS=False, SILU_MUL=False, NORM=False, RESIDUAL=False,
+            SOFT_BF16=False, USE_PDL=True, LINE=64)  # fmt: skip
+GEMV_TYPES = {**{p: "*bf16" for p in ("X", "X2", "W", "Bias", "Y", "NW", "H")}, "Part": "*fp32", "Counters": "*i32", "eps": "fp32"}
+DOT = dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, EVEN_K=True, HAS_BIAS=False, SILU_MUL=False, NORM=False,
+           RESIDUAL=False, UPCAST=False, PRECISION="tf32", SOFT_BF16=False, USE_PDL=True, LINE=64)  # fmt: skip
+DOT_TYPES = {**{p: "*bf16" for p in ("X", "X2", "W", "Bias", "Y", "NW", "H")}, "Part": "*fp32", "Counters": "*i32",
+             "eps": "fp32"}  # fmt: skip
+CASES = {
+    "gemv": ("attngraph.skinny_linear:_skinny_linear_kernel", GEMV_TYPES, GEMV, dict(num_warps=4, num_stages=2)),
+    "gemv silu split": ("attngraph.skinny_linear:_skinny_linear_kernel", GEMV_TYPES,
+                        {**GEMV, "ROWS": 2, "SILU_MUL": True, "SPLIT_K": 2}, dict(num_warps=4, num_stages=2)),
+    "gemv norm residual bias": ("attngraph.skinny_linear:_skinny_linear_kernel", GEMV_TYPES,
+                                {**GEMV, "NORM": True, "RESIDUAL": True, "HAS_BIAS": True, "BLOCK_K": 512},
+                                dict(num_warps=4, num_stages=2)),
+    "dot split": ("attngraph.skinny_dot:_skinny_dot_kernel", DOT_TYPES, DOT, dict(num_warps=4, num_stages=4)),
+    "dot norm residual": ("attngraph.skinny_dot:_skinny_dot_kernel", DOT_TYPES,
+                          {**DOT, "SPLIT_K": 1, "NORM": True, "RESIDUAL": True, "HAS_BIAS": True},
+                          dict(num_warps=4, num_stages=3)),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    """``(case, prefetch) -> {"ptx", "regs", "local_bytes"}``, compiled in one child process
+    without Triton's interpreter."""
+    if (why := _ptxas_missing()) is not None:
+        pytest.skip(why)
+    keys = [(case, pf) for case in CASES for pf in (True, False)]
+    specs = [dict(kernel=CASES[c][0], types=CASES[c][1], constexprs={**CASES[c][2], "PREFETCH": pf}, options=CASES[c][3])
+             for c, pf in keys]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    run = subprocess.run([sys.executable, os.path.join(HERE, "sm90_compile.py"), json.dumps(specs)], capture_output=True,
+                         text=True, env=env, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == len(keys), run.stdout[-2000:]
+    return dict(zip(keys, lines))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_prefetches_precede_the_wait_and_nothing_spills(compiled, case):
+    on, off = compiled[case, True], compiled[case, False]
+    ptx = on["ptx"]
+    wait = ptx.find("griddepcontrol.wait")
+    assert wait > 0, "the PDL kernel lost its wait"
+    assert "prefetch.global.L2" in ptx, "PREFETCH issued no L2 prefetch"
+    assert ptx.rfind("prefetch.global.L2") < wait, "a prefetch sits after griddepcontrol.wait"
+    assert "prefetch.global.L2" not in off["ptx"]
+    assert on["local_bytes"] == 0 and off["local_bytes"] == 0, (on["local_bytes"], off["local_bytes"])
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+def _poisoned(m: int, n: int) -> torch.Tensor:
+    return torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 4, 16])
+def test_outputs_bit_equal_with_and_without_prefetch_on_gpu(monkeypatch, rows):
+    from attngraph import pdl, skinny_dot, skinny_linear, weight_prefetch
+
+    if not pdl.enabled(torch.device("cuda")):
+        pytest.skip("needs programmatic dependent launch (compute capability 9.0, a Triton with gdc_wait)")
+    torch.manual_seed(rows)
+    n, k = 2048, 8192  # four chunks of 1024 per GEMV program, split K on the tensor-core kernel
+    x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+    up = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
+    bias = torch.randn(n, dtype=torch.bfloat16, device="cuda")
+
+    def run(prefetch: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(weight_prefetch, "ENABLED", prefetch)
+        outs = [_poisoned(rows, n) for _ in range(2)]
+        if rows <= 2:  # the GEMV's rows (linear_ops.KERNEL_MAX_ROWS)
+            skinny_linear.skinny_linear(x, w, bias, out=outs[0])
+            skinny_linear.skinny_silu_mul_linear(x, up, w, out=outs[1])
+        else:
+            skinny_dot.skinny_dot_linear(x, w, bias, out=outs[0])
+            skinny_dot.skinny_dot_silu_mul_linear(x, up, w, out=outs[1])
+        return outs
+
+    eager_off, eager_on = run(False), run(True)
+    # captured with prefetching, replayed onto poisoned outputs
+    monkeypatch.setattr(weight_prefetch, "ENABLED", True)
+    run(True)  # compiles and makes the split-K counters outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run(True)
+    for t in captured:
+        t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = (x.float() @ w.float().T + bias.float(), (torch.nn.functional.silu(x.float()) * up.float()).bfloat16().float() @ w.float().T)
+    for off, on, rep, ref in zip(eager_off, eager_on, captured, want):
+        assert not off.isnan().any()
+        assert torch.equal(on, off) and torch.equal(rep, off)
+        assert (off.float() - ref).abs().max().item() <= 0.05 * ref.abs().max().item()
