@@ -8,8 +8,9 @@ GPU would otherwise show: that inline PTX assembles, where instructions sit rela
 Run in a process without ``TRITON_INTERPRET`` (the interpreter replaces ``@triton.jit``
 functions, which then cannot compile): ``python tests/sm90_compile.py SPEC_JSON`` prints one
 JSON object per spec. A spec: ``{"kernel": "module:name", "types": {arg: "*bf16" | "fp32" |
-...}, "constexprs": {arg: value}, "options": {"num_warps": 4, ...}}``; arguments in neither map
-are ``i32``.
+...}, "constexprs": {arg: value}, "options": {"num_warps": 4, ...}, "divisible": [arg, ...]}``;
+arguments in neither map are ``i32``; pointers and the ``divisible`` integers are taken as
+multiples of 16.
 """
 
 from __future__ import annotations
@@ -24,16 +25,21 @@ import sys
 import tempfile
 
 
-def compile_sm90(kernel, types: dict, constexprs: dict, options: dict) -> dict:
+def compile_sm90(kernel, types: dict, constexprs: dict, options: dict, divisible: list | None = None) -> dict:
     """``kernel`` compiled for sm_90: ``{"ptx": str, "regs": int, "local_bytes": int}``
-    (registers per thread and local memory per thread, from the cubin's resource usage)."""
+    (registers per thread and local memory per thread, from the cubin's resource usage).
+    Pointers and the integer arguments named in ``divisible`` are specialized as multiples of
+    16 (bytes; elements for integers), as Triton's launcher specializes them when they are."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     params = list(inspect.signature(kernel.fn).parameters)
     signature = {p: "constexpr" if p in constexprs else types.get(p, "i32") for p in params}
-    src = ASTSource(fn=kernel, signature=signature, constexprs={(params.index(k),): v for k, v in constexprs.items()})
+    divisible = (set(divisible or ()) & set(params)) | {p for p, t in signature.items() if t.startswith("*")}
+    attrs = {(params.index(p),): [["tt.divisibility", 16]] for p in divisible}
+    src = ASTSource(fn=kernel, signature=signature, constexprs={(params.index(k),): v for k, v in constexprs.items()},
+                    attrs=attrs)  # fmt: skip
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     tools = os.path.join(os.path.dirname(importlib.import_module("triton.backends.nvidia").__file__), "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -50,7 +56,8 @@ def main(specs: list[dict]) -> None:
     for spec in specs:
         module, name = spec["kernel"].split(":")
         kernel = getattr(importlib.import_module(module), name)
-        print(json.dumps(compile_sm90(kernel, spec.get("types", {}), spec.get("constexprs", {}), spec.get("options", {}))))
+        print(json.dumps(compile_sm90(kernel, spec.get("types", {}), spec.get("constexprs", {}), spec.get("options", {}),
+                                      spec.get("divisible"))))  # fmt: skip
 
 
 if __name__ == "__main__":

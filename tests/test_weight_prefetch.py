@@ -2,9 +2,9 @@
 
 * CPU: the GEMV (`attngraph.skinny_linear`: plain, SiLU * up with split K, residual + RMSNorm
   with a bias) and the tensor-core kernel (`attngraph.skinny_dot`: split K; residual + RMSNorm
-  with a bias) compiled for sm_90
-  with Triton's ptxas: with ``PREFETCH`` every ``prefetch.global.L2`` precedes
-  ``griddepcontrol.wait`` and nothing spills; without it there is none.
+  with a bias) compiled for sm_90 with Triton's ptxas (`tests/sm90_compile.py`): with
+  ``PREFETCH`` every ``prefetch.global.L2`` precedes ``griddepcontrol.wait``; with or without
+  it the weight's loads are 16-byte vectors and nothing spills.
 * GPU: the kernels' outputs with prefetching are bit-equal to those without, eagerly and
   replayed from a CUDA graph.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -40,6 +41,9 @@ DOT = dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, EVEN_K=True, HAS_BIAS=False, SILU
            RESIDUAL=False, UPCAST=False, PRECISION="tf32", SOFT_BF16=False, USE_PDL=True, LINE=64)  # fmt: skip
 DOT_TYPES = {**{p: "*bf16" for p in ("X", "X2", "W", "Bias", "Y", "NW", "H")}, "Part": "*fp32", "Counters": "*i32",
              "eps": "fp32"}  # fmt: skip
+#: Integer arguments Triton's launcher specializes as multiples of 16 at the projections' shapes
+#: (sizes and row strides of 2048-28672; pointers always): the compiled loads are then 16-byte.
+DIVISIBLE = ["N", "K", "k_per_split", "stride_xm", "stride_x2m", "stride_wn", "stride_ym", "stride_hm"]
 CASES = {
     "gemv": ("attngraph.skinny_linear:_skinny_linear_kernel", GEMV_TYPES, GEMV, dict(num_warps=4, num_stages=2)),
     "gemv silu split": ("attngraph.skinny_linear:_skinny_linear_kernel", GEMV_TYPES,
@@ -61,8 +65,8 @@ def compiled() -> dict:
     if (why := _ptxas_missing()) is not None:
         pytest.skip(why)
     keys = [(case, pf) for case in CASES for pf in (True, False)]
-    specs = [dict(kernel=CASES[c][0], types=CASES[c][1], constexprs={**CASES[c][2], "PREFETCH": pf}, options=CASES[c][3])
-             for c, pf in keys]  # fmt: skip
+    specs = [dict(kernel=CASES[c][0], types=CASES[c][1], constexprs={**CASES[c][2], "PREFETCH": pf}, options=CASES[c][3],
+                  divisible=DIVISIBLE) for c, pf in keys]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     run = subprocess.run([sys.executable, os.path.join(HERE, "sm90_compile.py"), json.dumps(specs)], capture_output=True,
@@ -83,6 +87,9 @@ def test_prefetches_precede_the_wait_and_nothing_spills(compiled, case):
     assert ptx.rfind("prefetch.global.L2") < wait, "a prefetch sits after griddepcontrol.wait"
     assert "prefetch.global.L2" not in off["ptx"]
     assert on["local_bytes"] == 0 and off["local_bytes"] == 0, (on["local_bytes"], off["local_bytes"])
+    # the weight's loads (marked evict_first) stay 16-byte vectors
+    weight_loads = re.findall(r"ld\.global\.L1::evict_first[\w.:]*", ptx)
+    assert weight_loads and all(op.endswith(".v4.b32") for op in weight_loads), sorted(set(weight_loads))
 
 
 # ----------------------------------------------------------------------------- GPU
