@@ -137,6 +137,12 @@ class CompileConfig:
         With `skinny_linears`: an RMSNorm (and the residual add before it) read only by a
         projection is computed inside that projection's GEMV (`passes.fold_rms_norm`): one
         launch instead of two per norm site of a decode step.
+    fold_rope:
+        Paged runtime: HF's rotate-half rotary embedding of q and k moves into the attention
+        op (`passes.fold_rope`); the Triton backend's decode kernel rotates them as it loads
+        them (one launch less per layer of a decode step), every other call rotates them
+        first in one launch. Off until measured against the unfolded graph
+        (``benchmarks/bench_generate.py --fold-rope on,off``).
     absorb_mla:
         Paged runtime: multi-head latent attention (DeepSeek V2/V3 and kin) attends over its
         latent plus RoPE key, one KV head of ``kv_lora_rank + qk_rope_head_dim`` values per
@@ -178,6 +184,7 @@ class CompileConfig:
     fuse_linears: bool = True
     skinny_linears: bool | None = None
     fold_rms_norm: bool = True
+    fold_rope: bool = False
     absorb_mla: bool = True
     debug_dump_dir: str | None = None
 
@@ -220,7 +227,7 @@ class CompileConfig:
             object.__setattr__(self, fname, tuple(sorted(set(sizes))))
         if self.skinny_linears is not None and not isinstance(self.skinny_linears, bool):
             raise ConfigError(f"skinny_linears must be None (on for CUDA), True or False, got {self.skinny_linears!r}")
-        for fname in ("lower_attention", "deterministic", "fuse_linears", "fold_rms_norm", "absorb_mla"):
+        for fname in ("lower_attention", "deterministic", "fuse_linears", "fold_rms_norm", "fold_rope", "absorb_mla"):
             if not isinstance(getattr(self, fname), bool):  # "no" would read as True
                 raise ConfigError(f"{fname} must be True or False, got {getattr(self, fname)!r}")
         _check_int(self.page_size, "page_size", 1)

@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 import torch
 
 from .attn_backends.base import AttentionLayer
+from .errors import InputError
 from .forward_context import get_forward_context
 
 
@@ -62,6 +63,8 @@ def attention_impl(
     sinks: Optional[torch.Tensor] = None,
     chunk_size: int = 0,
     alibi_slopes: Optional[Sequence[float]] = None,
+    rope_cos: Optional[torch.Tensor] = None,
+    rope_sin: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of ``q: [T, Hq, D]`` over ``k: [Tk, Hkv, D]``, ``v: [Tk, Hkv, Dv]`` -> ``[T, Hq, Dv]``.
 
@@ -72,7 +75,10 @@ def attention_impl(
     each one more softmax term of its head without a value; None: no sinks. ``chunk_size``:
     causal attention within chunks of that many positions (Llama 4's local layers); 0: none.
     ``alibi_slopes``: ``[Hq]`` ALiBi slopes, ``slope * (key position - query position)`` added
-    to the scaled scores (Falcon, Bloom, MPT); None: no bias.
+    to the scaled scores (Falcon, Bloom, MPT); None: no bias. ``rope_cos``, ``rope_sin``:
+    ``[T, D]`` rows of HF's rotary embedding (`attngraph.rope`): q and k are given before the
+    rotation, which is applied first (or inside a backend's decode kernel that folds it:
+    `passes.fold_rope`); None: q and k are final.
 
     The body of `torch.ops.attngraph.attention`; the piecewise runtime calls it directly
     between graph pieces (no dispatcher round trip).
@@ -83,16 +89,37 @@ def attention_impl(
     if ctx is not None and ctx.batch is not None:
         n = ctx.batch.num_tokens
         if q.shape[0] == n:  # contiguous, as the fake promises (a no-op for the GPU kernels)
-            return ctx.backend.forward(q, k, v, layer, ctx.batch).contiguous()
+            q, k, rope = _rotate(ctx.backend, q, k, rope_cos, rope_sin, layer, ctx.batch)
+            return ctx.backend.forward(q, k, v, layer, ctx.batch, **rope).contiguous()
         # Rows past the batch's tokens pad the graph input (see RaggedModel): no K/V stored, their
         # output left unwritten (no fill kernel); the graph is token-wise, so no real row reads them.
         out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
         return paged_attention_into(out, q, k, v, layer_id, scale, causal, window_left, logit_cap, batch_size, sinks,
-                                    chunk_size, alibi_slopes)  # fmt: skip
+                                    chunk_size, alibi_slopes, rope_cos, rope_sin)  # fmt: skip
     if q.shape[0] == 0 or batch_size == 0:  # an empty batch: nothing to attend (eager gives [0, ...] too)
         return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
     backend = ctx.backend if ctx is not None else _reference_backend()
+    q, k, _ = _rotate(None, q, k, rope_cos, rope_sin, layer, None)
     return backend.forward_dense(q, k, v, layer, batch_size).contiguous()
+
+
+def _rotate(backend, q, k, cos, sin, layer, batch) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """``(q, k, kwargs)``: with rotary rows (``cos``, ``sin``), q and k rotated here
+    (`rope.apply_rope`) unless ``backend`` folds the rotation into this call's kernel
+    (``backend.folds_rope(q, k, layer, batch)``), then ``kwargs`` carries them to its
+    ``forward`` (``rope=(cos, sin)``)."""
+    if cos is None and sin is None:
+        return q, k, {}
+    if cos is None or sin is None:
+        raise InputError("attention: rope_cos and rope_sin come together (both None: q and k are already rotated)")
+    from .rope import apply_rope, check_rope
+
+    check_rope(q, k, cos, sin)
+    folds = getattr(backend, "folds_rope", None)
+    if batch is not None and folds is not None and folds(q, k, layer, batch):
+        return q, k, {"rope": (cos, sin)}
+    q, k = apply_rope(q, k, cos, sin)
+    return q, k, {}
 
 
 def paged_attention_into(
@@ -109,6 +136,8 @@ def paged_attention_into(
     sinks: torch.Tensor | None = None,
     chunk_size: int = 0,
     alibi_slopes: Sequence[float] | None = None,
+    rope_cos: torch.Tensor | None = None,
+    rope_sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The paged form writing rows ``[:n]`` of ``out: [T, Hq, Dv]`` (n: the published batch's
     tokens; rows past n are padding and keep whatever they held: the rows of a token-wise
@@ -117,7 +146,9 @@ def paged_attention_into(
     n = ctx.batch.num_tokens
     layer = _layer(layer_id, q.shape[1], k.shape[1], q.shape[2], v.shape[2], scale, causal, window_left, logit_cap, sinks,
                    chunk_size, alibi_slopes)  # fmt: skip
-    ctx.backend.forward(q[:n], k[:n], v[:n], layer, ctx.batch, out=out[:n])
+    cos, sin = (rope_cos[:n], rope_sin[:n]) if rope_cos is not None and rope_sin is not None else (rope_cos, rope_sin)
+    q, k, rope = _rotate(ctx.backend, q[:n], k[:n], cos, sin, layer, ctx.batch)
+    ctx.backend.forward(q, k, v[:n], layer, ctx.batch, out=out[:n], **rope)
     return out
 
 
@@ -126,14 +157,16 @@ attention.__doc__ = attention_impl.__doc__
 
 
 @attention.register_fake
-def _(q, k, v, layer_id, scale, causal, window_left, logit_cap, batch_size, sinks=None, chunk_size=0, alibi_slopes=None):
+def _(q, k, v, layer_id, scale, causal, window_left, logit_cap, batch_size, sinks=None, chunk_size=0, alibi_slopes=None,
+      rope_cos=None, rope_sin=None):  # fmt: skip
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, layer_id, scale, causal, window_left, logit_cap, batch_size, sinks, chunk_size, alibi_slopes = inputs
+    q, k, v, layer_id, scale, causal, window_left, logit_cap, batch_size, sinks, chunk_size, alibi_slopes, cos, sin = inputs
     ctx.has_sinks = sinks is not None
-    ctx.save_for_backward(q, k, v, *((sinks,) if sinks is not None else ()))
+    ctx.has_rope = cos is not None and sin is not None
+    ctx.save_for_backward(q, k, v, *((sinks,) if sinks is not None else ()), *((cos, sin) if ctx.has_rope else ()))
     slopes = tuple(alibi_slopes) if alibi_slopes is not None else None
     ctx.attrs = (layer_id, scale, causal, window_left, logit_cap, batch_size, chunk_size, slopes)
 
@@ -152,11 +185,19 @@ def _backward(ctx, grad_out: torch.Tensor):
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_(True) for t in (q, k, v, *rest)]
         sinks = leaves[3] if ctx.has_sinks else None
+        qk = leaves[:2]
+        if ctx.has_rope:  # differentiated through the rotation too
+            from .rope import rope_reference
+
+            cos, sin = leaves[-2:]
+            qk = [rope_reference(t, cos, sin) for t in qk]
         layer = AttentionLayer(layer_id, q.shape[1], k.shape[1], q.shape[2], v.shape[2], scale, causal, window_left,
                                logit_cap, sinks, chunk_size, slopes)  # fmt: skip
-        out = _reference_backend().forward_dense(*leaves[:3], layer, batch_size)
-        grads = torch.autograd.grad(out, leaves, grad_out)
-    return (*grads[:3], None, None, None, None, None, None, grads[3] if ctx.has_sinks else None, None, None)
+        out = _reference_backend().forward_dense(*qk, leaves[2], layer, batch_size)
+        grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
+    sink_grad = grads[3] if ctx.has_sinks else None
+    rope_grads = tuple(grads[-2:]) if ctx.has_rope else (None, None)
+    return (*grads[:3], None, None, None, None, None, None, sink_grad, None, None, *rope_grads)
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)

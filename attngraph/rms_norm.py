@@ -25,7 +25,7 @@ from . import pdl
 from .attn_backends.triton_ops.decode_attention import interpreting
 from .errors import InputError
 from .pdl import gdc_launch_dependents, gdc_wait
-from .skinny_linear import _round
+from .triton_math import round_to as _round
 
 __all__ = ["MAX_K", "add_rms_norm"]
 

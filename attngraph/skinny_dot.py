@@ -35,7 +35,8 @@ from . import pdl, weight_prefetch
 from .attn_backends.triton_ops.decode_attention import interpreting
 from .errors import InputError
 from .pdl import gdc_launch_dependents, gdc_wait
-from .skinny_linear import _residual_chunk, _rms_norm_chunk, _rms_rstd, _round, check_norm_operands, split_plan
+from .skinny_linear import _residual_chunk, _rms_norm_chunk, _rms_rstd, check_norm_operands, split_plan
+from .triton_math import round_to as _round
 from .weight_prefetch import prefetch_rows_l2
 
 __all__ = ["MAX_ROWS", "TUNED", "default_config", "skinny_dot_linear", "skinny_dot_rms_norm_linear", "skinny_dot_silu_mul_linear"]

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from . import pdl, weight_prefetch
 from .pdl import gdc_launch_dependents, gdc_wait
+from .triton_math import round_to as _round
 from .weight_prefetch import prefetch_rows_l2
 from .attn_backends.triton_ops.decode_attention import interpreter_problem, interpreting
 from .errors import InputError
@@ -93,19 +94,6 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 # ----------------------------------------------------------------------------- kernel
-@triton.jit
-def _round(v, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
-    """fp32 ``v`` rounded to ``DTYPE``, to nearest even. ``SOFT_BF16``: by integer arithmetic
-    on the bits (Triton's interpreter truncates fp32 to bf16; the GPU rounds to nearest)."""
-    if SOFT_BF16:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        res = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        res = v.to(DTYPE)
-    return res
-
-
 @triton.jit
 def _residual_chunk(x_rows, r_rows, offs_k, mask_x, RESIDUAL: tl.constexpr, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
     """The ``[ROWS, BLOCK_K]`` chunk of ``x`` (+ the residual ``r``, the sum rounded to

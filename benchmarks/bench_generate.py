@@ -19,6 +19,8 @@ choice on the row's own prefix).
         --prefetch on,off   # the projections' weights asked into L2 before the PDL wait, or not
     python benchmarks/bench_generate.py --shapes 1b --batches 1,16 --backends triton \
         --dot-fold-norm on,off --dot-min-rows 3,1   # norm in the tensor-core kernel; 1-2 rows on it
+    python benchmarks/bench_generate.py --shapes 1b --batches 1,16 --backends triton \
+        --fold-rope on,off   # the rotary embedding inside the decode attention kernel, or not
     python benchmarks/plot_generate.py benchmarks/results/generate.json --png benchmarks/generate.png
 """
 
@@ -175,6 +177,9 @@ def main() -> None:
     p.add_argument("--dot-min-rows", default="default",
                    help="linear_ops.DOT_MIN_ROWS (1: one and two rows the GEMV declines go to the tensor-core kernel, "
                         "not cuBLAS): default (the module's) and/or values, comma-separated")  # fmt: skip
+    p.add_argument("--fold-rope", default="default",
+                   help="CompileConfig.fold_rope (the rotary embedding into the attention op; the Triton decode kernel "
+                        "applies it): default (the config's), on and/or off, comma-separated")  # fmt: skip
     p.add_argument("--fold-rms-norm", default="on", help="CompileConfig.fold_rms_norm: on (the default) and/or off, comma-separated")
     p.add_argument("--pdl", default="on",
                    help="programmatic dependent launch (attngraph.pdl): on (attngraph's kernels and inductor's), ours "
@@ -194,6 +199,8 @@ def main() -> None:
         p.error(f"--dot-fold-norm takes default, on and/or off; got {', '.join(bad)}")
     if bad := [v for v in args.dot_min_rows.split(",") if v != "default" and not (v.isdigit() and 1 <= int(v) <= 16)]:
         p.error(f"--dot-min-rows takes 'default' or row counts 1-16; got {', '.join(bad)}")
+    if bad := [v for v in args.fold_rope.split(",") if v not in ("default", "on", "off")]:
+        p.error(f"--fold-rope takes default, on and/or off; got {', '.join(bad)}")
     if bad := [v for v in args.prefetch.split(",") if v not in ("default", "on", "off")]:
         p.error(f"--prefetch takes default, on and/or off; got {', '.join(bad)}")
     if bad := [v for v in args.fold_rms_norm.split(",") if v not in ("on", "off")]:
@@ -242,12 +249,12 @@ def main() -> None:
                     except Exception as exc:
                         add("HF static cache + torch.compile", b, error=f"{type(exc).__name__}: {exc}"[:500])
                     torch._dynamo.reset()
-        variants = [(name, skinny, fold, pdl, limit, dot, pf, dfold, dmin) for name in args.backends.split(",") if name
+        variants = [(name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope) for name in args.backends.split(",") if name
                     for skinny in args.skinny.split(",") for fold in args.fold_rms_norm.split(",") for pdl in args.pdl.split(",")
                     for limit in args.one_row_limit.split(",") for dot in args.dot.split(",")
                     for pf in args.prefetch.split(",") for dfold in args.dot_fold_norm.split(",")
-                    for dmin in args.dot_min_rows.split(",")]  # fmt: skip
-        for name, skinny, fold, pdl, limit, dot, pf, dfold, dmin in variants:
+                    for dmin in args.dot_min_rows.split(",") for rope in args.fold_rope.split(",")]  # fmt: skip
+        for name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope in variants:
             label = f"attngraph[{name}]" + ("" if skinny == "on" else " skinny_linears=False") + PDL_LABELS[pdl]
             label += "" if fold == "on" else " fold_rms_norm=False"
             label += "" if limit == "default" else f" one-row GEMV <= {limit}"
@@ -255,6 +262,8 @@ def main() -> None:
             label += "" if pf == "default" else f" prefetch={pf}"
             label += "" if dfold == "default" else f" dot-fold-norm={dfold}"
             label += "" if dmin == "default" else f" dot-min-rows={dmin}"
+            label += "" if rope == "default" else f" fold-rope={rope}"
+            rope_option = {} if rope == "default" else {"fold_rope": rope == "on"}
             linear_ops.DOT_FOLD_NORM = DOT_FOLD_NORM_DEFAULT if dfold == "default" else dfold == "on"
             linear_ops.DOT_MIN_ROWS = DOT_MIN_ROWS_DEFAULT if dmin == "default" else int(dmin)
             weight_prefetch.ENABLED = prefetch_default if pf == "default" else pf == "on"  # read at capture
@@ -266,7 +275,7 @@ def main() -> None:
             t0 = time.perf_counter()
             try:
                 attngraph.accelerate(m, attention_backend=name, kv_cache_tokens=1 << 15, skinny_linears=skinny == "on",
-                                    fold_rms_norm=fold == "on")  # fmt: skip
+                                    fold_rms_norm=fold == "on", **rope_option)  # fmt: skip
             except Exception as exc:  # report and go on with the next backend
                 add(label, 0, error=f"{type(exc).__name__}: {exc}"[:500])
                 continue

@@ -16,6 +16,7 @@ multiples of 16.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import json
 import os
@@ -50,6 +51,32 @@ def compile_sm90(kernel, types: dict, constexprs: dict, options: dict, divisible
     regs = re.search(r"REG:(\d+)", usage)
     local = re.search(r"LOCAL:(\d+)", usage)
     return {"ptx": compiled.asm["ptx"], "regs": int(regs.group(1)), "local_bytes": int(local.group(1))}
+
+
+def ptxas_missing() -> str | None:
+    """Why kernels cannot be compiled for sm_90 here (None: they can)."""
+    spec = importlib.util.find_spec("triton.backends.nvidia")
+    if spec is None or spec.origin is None:
+        return "Triton without its NVIDIA backend"
+    tools = os.path.join(os.path.dirname(spec.origin), "bin")
+    missing = [t for t in ("ptxas", "cuobjdump") if not os.path.exists(os.path.join(tools, t))]
+    return f"Triton ships no {', '.join(missing)}" if missing else None
+
+
+def compile_in_child(specs: list[dict]) -> list[dict]:
+    """`compile_sm90` of each spec in a child process without Triton's interpreter (the
+    caller may run under it); raises with the child's error output when one fails."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(here), env.get("PYTHONPATH")) if p)
+    run = subprocess.run([sys.executable, os.path.join(here, "sm90_compile.py"), json.dumps(specs)], capture_output=True,
+                         text=True, env=env, timeout=600)  # fmt: skip
+    if run.returncode != 0:
+        raise RuntimeError(f"compiling for sm_90 failed:\n{run.stderr[-3000:]}")
+    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    if len(lines) != len(specs):
+        raise RuntimeError(f"compiled {len(lines)} of {len(specs)} kernels:\n{run.stdout[-2000:]}")
+    return lines
 
 
 def main(specs: list[dict]) -> None:

@@ -11,28 +11,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-
-
-def _ptxas_missing() -> str | None:
-    spec = importlib.util.find_spec("triton.backends.nvidia")
-    if spec is None or spec.origin is None:
-        return "Triton without its NVIDIA backend"
-    tools = os.path.join(os.path.dirname(spec.origin), "bin")
-    missing = [t for t in ("ptxas", "cuobjdump") if not os.path.exists(os.path.join(tools, t))]
-    return f"Triton ships no {', '.join(missing)}" if missing else None
-
+from .sm90_compile import compile_in_child, ptxas_missing
 
 GEMV = dict(ROWS=1, BLOCK_N=4, BLOCK_K=1024, SPLIT_K=1, HAS_BIAS=False, SILU_MUL=False, NORM=False, RESIDUAL=False,
             SOFT_BF16=False, USE_PDL=True, LINE=64)  # fmt: skip
@@ -62,19 +46,12 @@ CASES = {
 def compiled() -> dict:
     """``(case, prefetch) -> {"ptx", "regs", "local_bytes"}``, compiled in one child process
     without Triton's interpreter."""
-    if (why := _ptxas_missing()) is not None:
+    if (why := ptxas_missing()) is not None:
         pytest.skip(why)
     keys = [(case, pf) for case in CASES for pf in (True, False)]
     specs = [dict(kernel=CASES[c][0], types=CASES[c][1], constexprs={**CASES[c][2], "PREFETCH": pf}, options=CASES[c][3],
                   divisible=DIVISIBLE) for c, pf in keys]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    run = subprocess.run([sys.executable, os.path.join(HERE, "sm90_compile.py"), json.dumps(specs)], capture_output=True,
-                         text=True, env=env, timeout=600)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert len(lines) == len(keys), run.stdout[-2000:]
-    return dict(zip(keys, lines))
+    return dict(zip(keys, compile_in_child(specs)))
 
 
 @pytest.mark.parametrize("case", list(CASES))

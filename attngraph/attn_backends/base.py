@@ -256,6 +256,7 @@ class AttentionBackend:
         batch: "ForwardBatch",
         save_kv_cache: bool = True,
         out: torch.Tensor | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Paged attention of the new tokens of ``batch``.
 
@@ -263,17 +264,24 @@ class AttentionBackend:
         ``save_kv_cache`` the backend writes k/v into the pool at ``batch.out_cache_loc`` first.
         Returns ``[T, Hq, Dv]``; with ``out`` (contiguous ``[T, Hq, Dv]``) the result is written
         there and ``out`` is returned (by the kernel itself where `extend_writes_out` /
-        `decode_writes_out`).
+        `decode_writes_out`). ``rope``: ``(cos, sin)`` rows ``[T, D]`` of HF's rotary
+        embedding still to be applied to q and k, passed only where `folds_rope` said the
+        decode kernel applies them (`attngraph.ops` rotates q and k itself otherwise).
         """
         from ..forward_batch import ForwardMode
 
         check_out(out, q, layer)
+        extra = {} if rope is None else {"rope": rope}
+        if rope is not None and batch.mode is not ForwardMode.DECODE:
+            from ..errors import InputError
+
+            raise InputError(f"{type(self).__name__}: rotary rows reach the backend only for a decode step; got {batch.mode}")
         if batch.mode is ForwardMode.IDLE:
             res = q.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))
         elif batch.mode is ForwardMode.DECODE and out is not None and self.decode_writes_out and out.is_contiguous():
-            return self.forward_decode(q, k, v, layer, batch, save_kv_cache, out=out)
+            return self.forward_decode(q, k, v, layer, batch, save_kv_cache, out=out, **extra)
         elif batch.mode is ForwardMode.DECODE:
-            res = self.forward_decode(q, k, v, layer, batch, save_kv_cache)
+            res = self.forward_decode(q, k, v, layer, batch, save_kv_cache, **extra)
         elif out is not None and self.extend_writes_out:
             return self.forward_extend(q, k, v, layer, batch, save_kv_cache, out=out)
         else:
@@ -285,6 +293,11 @@ class AttentionBackend:
 
     def forward_decode(self, q, k, v, layer: AttentionLayer, batch: "ForwardBatch", save_kv_cache: bool = True) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} has no decode path")
+
+    def folds_rope(self, q: torch.Tensor, k: torch.Tensor, layer: AttentionLayer, batch: "ForwardBatch") -> bool:
+        """Whether this call's kernel applies HF's rotary embedding to q and k itself (`forward`
+        then gets ``rope``). None here: `attngraph.ops` rotates them first."""
+        return False
 
     def forward_extend(self, q, k, v, layer: AttentionLayer, batch: "ForwardBatch", save_kv_cache: bool = True) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} has no extend path")

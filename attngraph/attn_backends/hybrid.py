@@ -133,12 +133,17 @@ class HybridBackend(AttentionBackend):
         batch: ForwardBatch,
         save_kv_cache: bool = True,
         out: torch.Tensor | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         child = self.backend_for(batch.mode)
         if child is None:
             res = q.new_empty((q.shape[0], layer.num_q_heads, layer.v_head_dim))
             return res if out is None else out.copy_(res)
-        return child.forward(q, k, v, layer, batch, save_kv_cache, out=out)
+        return child.forward(q, k, v, layer, batch, save_kv_cache, out=out, **({} if rope is None else {"rope": rope}))
+
+    def folds_rope(self, q, k, layer: AttentionLayer, batch: ForwardBatch) -> bool:
+        child = self.backend_for(batch.mode)
+        return child is not None and child.folds_rope(q, k, layer, batch)
 
     def forward_decode(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch, save_kv_cache: bool = True):
         return self.decode_backend.forward_decode(q, k, v, layer, batch, save_kv_cache)

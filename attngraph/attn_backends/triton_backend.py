@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import BackendUnavailableError
+from ..errors import BackendUnavailableError, InputError
 from .base import AttentionBackend, AttentionLayer, BackendCapabilities, GraphSupport, ModelAttentionSpec, check_out
 from .triton_ops import (
     DEFAULT_MIN_SPLIT_LEN,
@@ -257,24 +257,44 @@ class TritonBackend(AttentionBackend):
             )
 
     # ------------------------------------------------------------------ compute
+    def _stores_new_kv(self, k, v, batch: "ForwardBatch") -> bool:
+        """Whether the decode kernel stores the new K/V itself. Not over MLA's latent pool: the
+        kernel does not write a pool whose values are its keys, and one program merging a tile
+        of up to 64 heads x 512 values per split (32 splits: 4 MiB of partials) would serialise
+        what stage 2 spreads over every query head."""
+        pool = batch.kv_pool
+        return self.fused_decode and not pool.value_in_key and k.dtype == pool.dtype and v.dtype == pool.dtype
+
+    def folds_rope(self, q, k, layer: AttentionLayer, batch: "ForwardBatch") -> bool:
+        """Decode steps whose kernel stores the new K/V (it rotates q and the new key as it
+        loads them), with a power-of-two head dim, on CUDA or the interpreter."""
+        from ..forward_batch import ForwardMode
+
+        d = q.shape[-1]
+        pool = batch.kv_pool
+        return (batch.mode is ForwardMode.DECODE and d > 0 and not d & (d - 1) and pool is not None
+                and (q.is_cuda or interpreting()) and self._stores_new_kv(k, k, batch))  # fmt: skip
+
     def forward_decode(self, q, k, v, layer: AttentionLayer, batch: "ForwardBatch", save_kv_cache: bool = True,
-                       out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                       out: torch.Tensor | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
         """``q: [B, Hq, D]`` (one new token per request) -> ``[B, Hq, Dv]``, written to ``out``
         (contiguous ``[B, Hq, Dv]``) when given; ``k: [B, Hkv, D]``, ``v: [B, Hkv, Dv]`` are
-        stored at ``batch.out_cache_loc`` with ``save_kv_cache``."""
+        stored at ``batch.out_cache_loc`` with ``save_kv_cache``. ``rope``: ``(cos, sin)``
+        ``[B, D]`` rows of HF's rotary embedding the kernel applies to q and k (`folds_rope`)."""
         self._check_device(q)
         check_out(out, q, layer)  # before the pool is written
         pool = batch.kv_pool
         bsz = q.shape[0]
-        # Not over MLA's latent pool: the kernel does not write a pool whose values are its keys,
-        # and one program merging a tile of up to 64 heads x 512 values per split (32 splits:
-        # 4 MiB of partials) would serialise what stage 2 spreads over every query head.
         fused = self.fused_decode and not pool.value_in_key
         new_kv = {}
+        if rope is not None and not (save_kv_cache and self.folds_rope(q, k, layer, batch) and self._stores_new_kv(k, v, batch)):
+            raise InputError("triton decode: rotary rows reach the kernel only where folds_rope holds and it stores the new K/V")
         if save_kv_cache:
-            if fused and k.dtype == pool.dtype and v.dtype == pool.dtype:
+            if self._stores_new_kv(k, v, batch):
                 # stored by the attention kernel: no store kernel of its own
                 new_kv = dict(k_new=_last_dim_contiguous(k), v_new=_last_dim_contiguous(v), new_loc=batch.out_cache_loc)
+                if rope is not None:
+                    new_kv.update(rope_cos=_last_dim_contiguous(rope[0]), rope_sin=_last_dim_contiguous(rope[1]))
             else:
                 self.save_kv(layer, batch, k, v)
         kb = pool.k_buffers[layer.layer_id].view(-1, pool.num_kv_heads, pool.head_dim)

@@ -20,6 +20,7 @@ from ..passes import fx_utils as fu
 from ..passes.site import AttentionSite
 from ..passes.fuse_linears import fuse_linears
 from ..passes.fold_rms_norm import fold_rms_norm
+from ..passes.fold_rope import fold_rope
 from ..passes.skinny_linears import skinny_linears
 from ..passes.token_mixing import TokenMixingOp, check_token_mixing
 from ..forward_context import ForwardContext, use_forward_context
@@ -75,6 +76,7 @@ class AttnGraphBackend:
         self.fused_linears: list = []  # a passes.fuse_linears.FuseResult per paged graph
         self.skinny_results: list = []  # a passes.skinny_linears.SkinnyResult per paged graph rewritten
         self.norm_results: list = []  # a passes.fold_rms_norm.FoldNormResult per paged graph rewritten
+        self.rope_results: list = []  # a passes.fold_rope.FoldRopeResult per paged graph rewritten
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         input_names = user_input_names(gm)  # read before the passes rewrite the graph
@@ -88,6 +90,7 @@ class AttnGraphBackend:
         if self.mode == "paged":
             gm, extra = self._fuse_linears(gm, example_inputs)
             gm = self._skinny_linears(gm, device_type)
+            gm = self._fold_rope(gm)
             fu.fill_example_values(gm)  # the passes' nodes: else AOTAutograd's cache refuses the graph
             fakes = self.fused_linears[-1].extra_fakes if extra else []
             inputs = list(example_inputs) + (fakes if len(fakes) == len(extra) else extra)
@@ -141,6 +144,18 @@ class AttnGraphBackend:
         self.skinny_results.append(skinny_linears(gm, token_inputs=self.token_inputs, row_index_inputs=self.row_index_inputs))
         if self.config.fold_rms_norm:
             self.norm_results.append(fold_rms_norm(gm))
+        return gm
+
+    def _fold_rope(self, gm: fx.GraphModule) -> fx.GraphModule:
+        """Paged mode with `CompileConfig.fold_rope`: the rotary embedding into the attention ops
+        (`passes.fold_rope`), on a copy of the graph unless an earlier pass made one."""
+        if not (self.config.fold_rope and self.config.lower_attention):
+            return gm
+        if self.graphs and gm is self.graphs[-1]:  # Dynamo's own graph: rewrite a copy
+            graph = fx.Graph()
+            graph.output(graph.graph_copy(gm.graph, {}))
+            gm = fx.GraphModule(gm, graph)
+        self.rope_results.append(fold_rope(gm))
         return gm
 
     def _token_mixing(self, gm: fx.GraphModule) -> list[TokenMixingOp]:

@@ -96,3 +96,33 @@ def test_bf16_through_the_triton_linear_kernels_is_the_copy(monkeypatch, count):
     assert not diff, f"{len(diff)} tokens differ from the copy, first at [row, position] {diff[0]}"
     # (accelerate's own warm-up forwards of a few tokens launch either kernel as well)
     assert launches["gemv" if count == 1 else "dot"] > 0 and (count > 1 or launches["dot"] == 0), launches
+
+
+@pytest.mark.parametrize("backend", ["torch_native", "triton"])
+def test_rotary_embedding_folded_into_attention_is_the_copy(references, monkeypatch, backend):
+    """`CompileConfig.fold_rope`: q and k reach the attention op unrotated with their cos / sin
+    rows; the Triton backend's decode kernel rotates them (under Triton's interpreter on the
+    CPU), torch_native rotates them first. Both sites of every layer fold, and the tokens are
+    HF's."""
+    from attngraph.attn_backends import triton_backend
+    from attngraph.attn_backends.triton_ops.decode_attention import interpreting
+
+    if backend == "triton" and not interpreting():
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1 before import; tests/conftest.py sets it)")
+    folded_decodes = []
+    fwd = triton_backend.decode_attention_fwd
+    monkeypatch.setattr(triton_backend, "decode_attention_fwd",
+                        lambda *a, **kw: folded_decodes.append(kw.get("rope_cos") is not None) or fwd(*a, **kw))  # fmt: skip
+    name = "llama_gqa"
+    ids, mask, want = references(name, 3)
+    model = attngraph.accelerate(load(name), attention_backend=backend, page_size=16, kv_cache_tokens=2048, fold_rope=True)
+    try:
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, **GREEDY)
+        results = state_of(model).runner.ragged.backend.rope_results
+    finally:
+        attngraph.restore(model)
+    diff = (got != want).nonzero().tolist()
+    assert not diff, f"{len(diff)} tokens differ from HF's, first at [row, position] {diff[0]}"
+    layers = load(name).config.num_hidden_layers
+    assert results and all(len(r.folded) == layers and not r.refused for r in results)
+    assert (backend == "triton") == bool(folded_decodes) and all(folded_decodes)

@@ -43,6 +43,7 @@ import triton.language as tl
 from ... import pdl
 from ...pdl import gdc_launch_dependents, gdc_wait
 from ...errors import InputError
+from ...triton_math import rotate_half_rows, round_to
 
 logger = logging.getLogger(__name__)
 
@@ -215,17 +216,17 @@ def _attend_block(q, q_tail, kt, kt_tail, v, k_new, k_new_tail, v_new, m_i, l_i,
 @triton.jit(do_not_specialize=["max_splits", "stride_plh"])
 def _decode_stage1_kernel(
     Q, K, V, ReqToPage, ReqIdx, SeqLens, PartO, PartLse, Slopes,
-    KNew, VNew, NewLoc, Out, Sinks, Counters,
+    KNew, VNew, NewLoc, Out, Sinks, Counters, RopeCos, RopeSin,
     scale, logit_cap, window, chunk, max_splits, min_split_len,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_rtp,
     stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
-    stride_knb, stride_knh, stride_vnb, stride_vnh, stride_ob, stride_oh,
+    stride_knb, stride_knh, stride_vnb, stride_vnh, stride_ob, stride_oh, stride_rcb, stride_rsb,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, V_HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_CAP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HEAD_BLOCKS: tl.constexpr, BLOCK_DT: tl.constexpr, HAS_TAIL: tl.constexpr,
     NEW_KV: tl.constexpr, MERGE: tl.constexpr, HAS_SINKS: tl.constexpr, USE_PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, ROPE: tl.constexpr, SOFT_BF16: tl.constexpr,
 ):  # fmt: skip
     # PDL (attngraph.pdl): the kernel may start before the one producing q (and k_new / v_new)
     # has finished. Only that kernel's outputs are unsafe before gdc_wait: the page table, the
@@ -264,12 +265,27 @@ def _decode_stage1_kernel(
     k_new = offs_d  # placeholders without NEW_KV (never read)
     k_new_tail = offs_dt
     v_new = offs_dv
+    # ROPE (NEW_KV, no tail): HF's rotate-half RoPE of q and the new key with the token's rows
+    # of cos / sin ([BLOCK_D] fp32), rounded once to their dtypes (the rotated tensors a fused
+    # elementwise kernel would have written); read after gdc_wait like q.
+    rot_d = (offs_d + HEAD_DIM // 2) % HEAD_DIM
+    rc = offs_d.to(tl.float32)  # placeholders without ROPE (never read)
+    rs = rc
+    if ROPE:
+        rc = tl.load(RopeCos + b * stride_rcb + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        rs = tl.load(RopeSin + b * stride_rsb + offs_d, mask=mask_d, other=0.0).to(tl.float32)
     if NEW_KV:
         # The new token's K/V rows of this KV head in the pool's dtype ([BLOCK_D], [BLOCK_DT],
         # [BLOCK_DV]). One program per (request, KV head) stores them; every program uses them
         # for key position seq_len - 1, since that store is not visible to other programs in time.
         kn_ptrs = KNew + b * stride_knb + kvh * stride_knh
-        k_new = tl.load(kn_ptrs + offs_d, mask=mask_d, other=0.0).to(K.dtype.element_ty)
+        if ROPE:
+            kn = tl.load(kn_ptrs + offs_d, mask=mask_d, other=0.0)[None, :]
+            kn_rot = tl.load(kn_ptrs + rot_d, mask=mask_d, other=0.0)[None, :]
+            k_new = tl.reshape(round_to(rotate_half_rows(kn, kn_rot, offs_d, rc, rs, HEAD_DIM // 2), KNew.dtype.element_ty,
+                                        SOFT_BF16), (BLOCK_D,)).to(K.dtype.element_ty)  # fmt: skip
+        else:
+            k_new = tl.load(kn_ptrs + offs_d, mask=mask_d, other=0.0).to(K.dtype.element_ty)
         if HAS_TAIL:
             k_new_tail = tl.load(kn_ptrs + offs_dt, mask=mask_dt, other=0.0).to(K.dtype.element_ty)
         v_new = tl.load(VNew + b * stride_vnb + kvh * stride_vnh + offs_dv, mask=mask_dv, other=0.0)
@@ -292,6 +308,10 @@ def _decode_stage1_kernel(
     heads = kvh * GROUP + offs_g  # [BLOCK_H] query heads of this KV head
     q_ptrs = Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+    if ROPE:
+        q_rot = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + rot_d[None, :], mask=mask_h[:, None] & mask_d[None, :],
+                        other=0.0)  # fmt: skip
+        q = round_to(rotate_half_rows(q, q_rot, offs_d, rc, rs, HEAD_DIM // 2), Q.dtype.element_ty, SOFT_BF16)
     q_tail = q
     if HAS_TAIL:
         qt_ptrs = Q + b * stride_qb + heads[:, None] * stride_qh + offs_dt[None, :]
@@ -511,6 +531,8 @@ def decode_attention_fwd(
     v_new: torch.Tensor | None = None,
     new_loc: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
+    rope_cos: torch.Tensor | None = None,
+    rope_sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of one new token per request over its paged keys ``0..seq_len-1``.
 
@@ -549,6 +571,9 @@ def decode_attention_fwd(
         reads the tile's ``splits x group x Dv`` partials alone: small for GQA groups, a serial
         tail for MLA's latent tiles of 64 heads x 512 values (the backend keeps stage 2 there).
         None: a second kernel merges them.
+    rope_cos, rope_sin: ``[B, D]`` rows of HF's rotary embedding (q's dtype, unit stride in D;
+        `attngraph.rope`): q and ``k_new`` are given before the rotation and the kernel applies
+        it (the pool stores the rotated key). Needs ``k_new`` and a power-of-two head dim.
 
     Returns ``out``. Launches: one with ``counters``, else two; the new K/V cost no launch of
     their own.
@@ -571,6 +596,16 @@ def decode_attention_fwd(
         _check_new_kv(k_new, v_new, new_loc, k_buffer, v_buffer, bsz)
     else:  # the kernel does not read them: any tensors
         k_new, v_new, new_loc = q, q, seq_lens
+    rope = rope_cos is not None or rope_sin is not None
+    if rope:
+        if not new_kv or d & (d - 1) or rope_cos is None or rope_sin is None:
+            raise ValueError("rope_cos and rope_sin need each other, k_new and a power-of-two head dim")
+        for name, t in (("rope_cos", rope_cos), ("rope_sin", rope_sin)):
+            if tuple(t.shape) != (bsz, d) or t.dtype != q.dtype or t.device != q.device or (d > 1 and t.stride(1) != 1):
+                raise ValueError(f"{name} must be a {q.dtype} [{bsz}, {d}] tensor on {q.device}, unit stride in D; got "
+                                 f"{t.dtype} {tuple(t.shape)}")  # fmt: skip
+    else:  # the kernel does not read them
+        rope_cos = rope_sin = q[:, 0]
     if bsz == 0:
         return out
     group = hq // hkv
@@ -590,19 +625,20 @@ def decode_attention_fwd(
     use_pdl = pdl.enabled(q.device)
     _decode_stage1_kernel[(bsz, hkv * head_blocks, max_splits)](
         q, k_buffer, v_buffer, req_to_page, req_pool_indices, seq_lens, partial_out, partial_lse, slopes,
-        k_new, v_new, new_loc, out, sinks_arg, seq_lens if counters is None else counters,
+        k_new, v_new, new_loc, out, sinks_arg, seq_lens if counters is None else counters, rope_cos, rope_sin,
         float(scale), cap, window, chunk, max_splits, min_split_len,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_page.stride(0),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), out.stride(0), out.stride(1),
+        rope_cos.stride(0), rope_sin.stride(0),
         GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=d, V_HEAD_DIM=dv,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
         HAS_CAP=logit_cap > 0, UPCAST=upcast, PRECISION=precision, HAS_ALIBI=alibi_slopes is not None,
         HEAD_BLOCKS=head_blocks, BLOCK_DT=max(block_dt, 16), HAS_TAIL=block_dt > 0,
         NEW_KV=new_kv, MERGE=counters is not None, HAS_SINKS=sinks is not None, USE_PDL=use_pdl,
-        PREFETCH=use_pdl and new_kv,
+        PREFETCH=use_pdl and new_kv, ROPE=rope, SOFT_BF16=q.dtype == torch.bfloat16 and interpreting(),
         num_warps=decode_num_warps(d, dv), num_stages=2, **pdl.launch_options(use_pdl),
     )  # fmt: skip
     if counters is not None:
