@@ -98,12 +98,12 @@ def test_bf16_through_the_triton_linear_kernels_is_the_copy(monkeypatch, count):
     assert launches["gemv" if count == 1 else "dot"] > 0 and (count > 1 or launches["dot"] == 0), launches
 
 
-@pytest.mark.parametrize("backend", ["torch_native", "triton"])
-def test_rotary_embedding_folded_into_attention_is_the_copy(references, monkeypatch, backend):
+@pytest.mark.parametrize("name,backend", [("llama_gqa", "torch_native"), ("llama_gqa", "triton"), ("mistral_window", "triton")])
+def test_rotary_embedding_folded_into_attention_is_the_copy(references, monkeypatch, name, backend):
     """`CompileConfig.fold_rope`: q and k reach the attention op unrotated with their cos / sin
     rows; the Triton backend's decode kernel rotates them (under Triton's interpreter on the
-    CPU), torch_native rotates them first. Both sites of every layer fold, and the tokens are
-    HF's."""
+    CPU), torch_native rotates them first; Mistral's sliding window too. Every layer's site
+    folds, and the tokens are HF's."""
     from attngraph.attn_backends import triton_backend
     from attngraph.attn_backends.triton_ops.decode_attention import interpreting
 
@@ -113,7 +113,6 @@ def test_rotary_embedding_folded_into_attention_is_the_copy(references, monkeypa
     fwd = triton_backend.decode_attention_fwd
     monkeypatch.setattr(triton_backend, "decode_attention_fwd",
                         lambda *a, **kw: folded_decodes.append(kw.get("rope_cos") is not None) or fwd(*a, **kw))  # fmt: skip
-    name = "llama_gqa"
     ids, mask, want = references(name, 3)
     model = attngraph.accelerate(load(name), attention_backend=backend, page_size=16, kv_cache_tokens=2048, fold_rope=True)
     try:
