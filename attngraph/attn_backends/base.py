@@ -296,7 +296,8 @@ class AttentionBackend:
 
     def folds_rope(self, q: torch.Tensor, k: torch.Tensor, layer: AttentionLayer, batch: "ForwardBatch") -> bool:
         """Whether this call's kernel applies HF's rotary embedding to q and k itself (`forward`
-        then gets ``rope``). None here: `attngraph.ops` rotates them first."""
+        then gets ``rope``). Never, unless a backend says so: `attngraph.ops` rotates them
+        first."""
         return False
 
     def forward_extend(self, q, k, v, layer: AttentionLayer, batch: "ForwardBatch", save_kv_cache: bool = True) -> torch.Tensor:
