@@ -147,3 +147,28 @@ def test_a_forward_traced_for_short_steps_runs_longer_steps_in_groups():
     with pytest.raises(attngraph.InputError, match="at most 47 tokens per step"):
         model.generate(ids, **{**GREEDY, "max_new_tokens": 1})
     assert runner.pool.num_used_pages == 0 and runner.pool.num_active_requests == 0
+
+
+def _one_impl_per_arch() -> list[tuple[str, str]]:
+    seen: dict[str, tuple[str, str]] = {}
+    for arch, impl in arch_impl_params():
+        seen.setdefault(arch, (arch, impl))
+    return list(seen.values())
+
+
+@pytest.mark.parametrize("arch,impl", _one_impl_per_arch())
+def test_rotary_fold_keeps_the_tokens(arch, impl):
+    """``fold_rope=True`` on every architecture: where HF's rotate-half RoPE feeds a site it
+    moves into the attention op (Llama, Mistral, Qwen, Gemma, Falcon, Granite, ...), elsewhere
+    the pass leaves the graph alone (partial or interleaved rotary, NoPE layers, ALiBi, MLA);
+    greedy tokens are HF's either way."""
+    model, reference = accelerated_pair(arch, impl, fold_rope=True)
+    ids, mask = left_padded_batch(model.config.vocab_size)
+    with torch.no_grad():
+        want = reference.generate(ids, attention_mask=mask, **GREEDY)
+    got = model.generate(ids, attention_mask=mask, **GREEDY)
+    assert torch.equal(got, want)
+    results = state_of(model).runner.ragged.backend.rope_results
+    assert results and not any(r.refused for r in results), [r.refused for r in results]
+    if arch in ("llama", "qwen2", "mistral", "gemma"):
+        assert all(len(r.folded) == model.config.num_hidden_layers for r in results)
