@@ -67,17 +67,22 @@ def test_accelerated_generate_is_token_identical(accelerated, references, count)
     assert pool.num_used_pages == 0 and pool.num_active_requests == 0
 
 
-@pytest.mark.parametrize("count", [1, 3])
-def test_bf16_through_the_triton_linear_kernels_is_the_copy(monkeypatch, count):
+@pytest.mark.parametrize("count,fold_norm", [(1, False), (3, False), (3, True)], ids=["1", "3", "3-norm-in-dot"])
+def test_bf16_through_the_triton_linear_kernels_is_the_copy(monkeypatch, count, fold_norm):
     """In bf16 with the linear ops' Triton kernels run by the interpreter: decode steps of one
     request take the GEMV (RMSNorm and SiLU * up folded in), of three the tensor-core kernel
-    (`attngraph.skinny_dot`, after the standalone norm and SiLU-mul kernels); the prefill
-    takes torch. The tokens must still be the copy."""
-    from attngraph import linear_ops, skinny_dot, skinny_linear
+    (`attngraph.skinny_dot`, after the standalone norm and SiLU-mul kernels, or with the norm
+    in its loads: `linear_ops.DOT_FOLD_NORM`); the prefill takes torch. The tokens must still
+    be the copy."""
+    from attngraph import linear_ops, rms_norm, skinny_dot, skinny_linear
 
     if not (skinny_linear.interpreting() and skinny_dot.interpreting()) or skinny_linear.interpreter_problem():
         pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1 before import; tests/conftest.py sets it)")
     monkeypatch.setattr(linear_ops, "CPU_INTERPRETER", True)
+    monkeypatch.setattr(linear_ops, "DOT_FOLD_NORM", fold_norm)
+    norms = []
+    standalone = rms_norm.add_rms_norm
+    monkeypatch.setattr(rms_norm, "add_rms_norm", lambda *a: norms.append(a[0].shape[0]) or standalone(*a))
     launches = {"gemv": 0, "dot": 0}
     for mod, key in ((skinny_linear, "gemv"), (skinny_dot, "dot")):
         launch = mod._launch
@@ -96,6 +101,8 @@ def test_bf16_through_the_triton_linear_kernels_is_the_copy(monkeypatch, count):
     assert not diff, f"{len(diff)} tokens differ from the copy, first at [row, position] {diff[0]}"
     # (accelerate's own warm-up forwards of a few tokens launch either kernel as well)
     assert launches["gemv" if count == 1 else "dot"] > 0 and (count > 1 or launches["dot"] == 0), launches
+    # the norms of three-row steps: folded into the tensor-core kernel, or their own launches
+    assert (3 in norms) != fold_norm, norms
 
 
 @pytest.mark.parametrize("name,backend", [("llama_gqa", "torch_native"), ("llama_gqa", "triton"), ("mistral_window", "triton")])
