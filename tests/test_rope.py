@@ -16,7 +16,11 @@ pytest.importorskip("triton")
 
 from attngraph import rope  # noqa: E402
 from attngraph import rope_kernel  # noqa: E402
-from attngraph.attn_backends.triton_ops.decode_attention import decode_attention_fwd, interpreting  # noqa: E402
+from attngraph.attn_backends.triton_ops.decode_attention import (  # noqa: E402
+    decode_attention_fwd,
+    interpreter_problem,
+    interpreting,
+)
 from attngraph.errors import InputError  # noqa: E402
 
 
@@ -31,6 +35,8 @@ def device():
         return torch.device("cuda")
     if not interpreting():
         pytest.skip("needs a CUDA device or Triton's interpreter (TRITON_INTERPRET=1)")
+    if (problem := interpreter_problem()) is not None:
+        pytest.skip(problem)
     return torch.device("cpu")
 
 

@@ -112,10 +112,12 @@ def test_rotary_embedding_folded_into_attention_is_the_copy(references, monkeypa
     CPU), torch_native rotates them first; Mistral's sliding window too. Every layer's site
     folds, and the tokens are HF's."""
     from attngraph.attn_backends import triton_backend
-    from attngraph.attn_backends.triton_ops.decode_attention import interpreting
+    from attngraph.attn_backends.triton_ops.decode_attention import interpreter_problem, interpreting
 
     if backend == "triton" and not interpreting():
         pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1 before import; tests/conftest.py sets it)")
+    if backend == "triton" and (problem := interpreter_problem()) is not None:
+        pytest.skip(problem)
     folded_decodes = []
     fwd = triton_backend.decode_attention_fwd
     monkeypatch.setattr(triton_backend, "decode_attention_fwd",
