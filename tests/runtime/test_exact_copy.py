@@ -102,7 +102,7 @@ def test_bf16_through_the_triton_linear_kernels_is_the_copy(monkeypatch, count, 
     # (accelerate's own warm-up forwards of a few tokens launch either kernel as well)
     assert launches["gemv" if count == 1 else "dot"] > 0 and (count > 1 or launches["dot"] == 0), launches
     # the norms of three-row steps: folded into the tensor-core kernel, or their own launches
-    assert (3 in norms) != fold_norm, norms
+    assert count == 1 or (3 in norms) != fold_norm, norms
 
 
 @pytest.mark.parametrize("name,backend", [("llama_gqa", "torch_native"), ("llama_gqa", "triton"), ("mistral_window", "triton")])
