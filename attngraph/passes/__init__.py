@@ -8,12 +8,14 @@
 >>> fuse_linears(gm, real_inputs)       # q/k/v, gate/up: one GEMM on concatenated weights
 >>> skinny_linears(gm)                  # linears -> attngraph's GEMV ops, SiLU * up into down
 >>> fold_rms_norm(gm)                   # then: RMSNorm (+ residual add) into the GEMV reading it
+>>> fold_rope(gm)                       # paged: HF's rotary embedding of q and k into the attention op
 """
 
 from .absorb_mla import absorb_mla
 from .cleanup import cleanup
 from .find_attention import find_attention
 from .fold_rms_norm import FoldNormResult, fold_rms_norm
+from .fold_rope import FoldRopeResult, fold_rope
 from .fuse_linears import FuseResult, fuse_linears
 from .lower_attention import ATTENTION_OP, lower_attention
 from .mask_analysis import MaskPattern, NotProvable, analyze_mask
@@ -34,6 +36,8 @@ __all__ = [
     "find_attention",
     "FoldNormResult",
     "fold_rms_norm",
+    "FoldRopeResult",
+    "fold_rope",
     "FuseResult",
     "fuse_linears",
     "lower_attention",
