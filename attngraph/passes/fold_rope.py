@@ -5,7 +5,11 @@ HF's ops, writing the rotated q and k) before the attention kernel reads them ba
 pass the op receives q and k as the projections left them plus the token's ``cos`` and ``sin``
 rows (``torch.ops.attngraph.attention(..., rope_cos, rope_sin)``): a backend whose decode
 kernel stores the new K/V rotates q and k as it loads them (the Triton backend); every other
-call rotates them first in one launch (`attngraph.rope`), the count of before.
+call rotates them first in one launch (`attngraph.rope`), the count of before. Where
+`fuse_linears` gave q, k and v to the site as copies of the fused projection's columns
+(``narrow(-1, ...).contiguous()``, a copy inductor fused into the rotation's kernel), the op
+reads the columns in place instead (`_drop_split_copy`), so no copy kernel takes the
+rotation's place.
 
 Runs in paged mode on a Dynamo graph (torch-level calls), after `lower_attention`. It matches
 HF's ``apply_rotary_pos_emb`` with ``rotate_half`` (Llama, Qwen2, Mistral and the models that
@@ -53,10 +57,12 @@ _OPTIONAL = (None, 0, None)  # sinks, chunk_size, alibi_slopes
 @dataclass
 class FoldRopeResult:
     """``folded``: names of the attention ops that took the rotation; ``refused``: (op name,
-    reason) for sites whose q or k ends in a partial match."""
+    reason) for sites whose q or k ends in a partial match; ``copies_dropped``: q, k and v
+    inputs of folded ops that now read the fused projection's columns in place."""
 
     folded: list[str] = field(default_factory=list)
     refused: list[tuple[str, str]] = field(default_factory=list)
+    copies_dropped: int = 0  # `fuse_linears`' column copies the folded ops read through instead
 
 
 def _val(node):
@@ -153,6 +159,56 @@ def _op_input(arg) -> tuple[fx.Node, fx.Node, fx.Node] | None:
     return (tr.args[0], tr, arg) if isinstance(tr.args[0], fx.Node) else None
 
 
+_VIEWS_ANY_STRIDE = ("reshape", "transpose", "permute")  # valid on any strides (reshape copies if it must)
+
+
+def _drop_split_copy(arg: fx.Node) -> fx.Node | None:
+    """Drop `fuse_linears`' ``narrow(-1, ...).contiguous()`` copy behind an input of a folded op.
+
+    ``arg`` (q, k or v of the op) = reshape / transpose / permute ops over ``view(c, ...)``
+    with ``c = narrow(y, -1, a, n).contiguous()``. Without the fold, inductor fused that copy
+    into the rotation's kernel; with it, the copy would be a launch of its own. Where the
+    ``view`` only splits the last dimension, it is valid on the narrowed columns too (their
+    last stride is 1), and the ops after it are valid on any strides, so the view reads the
+    fused GEMM's output in place: the op takes strided ``[T, H, D]`` inputs (unit stride along
+    D, which every backend accepts). Nodes on the way may have other readers only of their
+    size (same shape either way). Returns the dropped copy's input, or None where nothing
+    matched."""
+    node = arg
+    while fu.is_op(node, _VIEWS_ANY_STRIDE) and not node.kwargs and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    view = node
+    if not (fu.is_op(view, ("view",)) and not view.kwargs and isinstance(view.args[0], fx.Node)):
+        return None
+    copy = view.args[0]
+    if not (fu.is_op(copy, ("contiguous",)) and len(copy.args) == 1 and not copy.kwargs and len(copy.users) == 1):
+        return None
+    split = copy.args[0]
+    before, after = fu.shape_of(copy), fu.shape_of(view)
+    if not (fu.is_op(split, ("narrow",)) and isinstance(split.args[0], fx.Node) and before and after):
+        return None
+    dim = split.args[1] if len(split.args) > 1 else split.kwargs.get("dim")
+    if dim not in (-1, len(before) - 1) or len(after) < len(before):
+        return None
+    if not all(fu.same_size(a, b) for a, b in zip(before[:-1], after)):
+        return None  # the view reshapes more than the last dimension
+    # the path from the view to arg: read only along it (or for a size)
+    path, node = [], arg
+    while node is not view:
+        path.append(node)
+        node = node.args[0]
+    path.append(view)
+    inside = set(path)
+    for n in path[1:]:
+        if any(u not in inside and not (fu.is_op(u, ("size",)) and u.args[0] is n) for u in n.users):
+            return None
+    copy.replace_all_uses_with(split)
+    copy.graph.erase_node(copy)
+    for n in path:  # their strides changed: `fx_utils.fill_example_values` computes them anew
+        n.meta.pop("example_value", None)
+    return split
+
+
 def _only_read_inside(nodes: list[fx.Node], outside_ok: set[fx.Node]) -> bool:
     inside = set(nodes) | outside_ok
     return all(u in inside for n in nodes for u in n.users)
@@ -212,6 +268,9 @@ def fold_rope(gm: fx.GraphModule) -> FoldRopeResult:
             dead = [n for n in dead if n not in unread]
             if not unread:
                 raise AssertionError(f"fold_rope: pattern nodes still read after the rewrite: {dead}")
+        for arg in new_op.args[:3]:  # q, k, v
+            if _drop_split_copy(arg) is not None:
+                result.copies_dropped += 1
         result.folded.append(new_op.name)
     summary = f"fold_rope: {len(result.folded)} rotary embeddings folded into attention ops"
     fu.finish_rewrite(gm, logger, summary if result.folded else None, result.refused, "fold_rope: %s keeps its rotation: %s")

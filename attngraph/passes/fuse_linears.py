@@ -165,7 +165,7 @@ def fuse_linears(gm: fx.GraphModule, example_inputs: list[Any]) -> FuseResult:
                 piece = gm.graph.call_method("narrow", (fused, -1, offset, w.shape[0]))
             with gm.graph.inserting_after(piece):
                 cont = gm.graph.call_method("contiguous", (piece,))
-            cont.meta.update({k: v for k, v in m.meta.items() if k != "example_value"})
+            cont.meta.update(m.meta)  # the same value as the linear's: shape, dtype, contiguous strides
             m.replace_all_uses_with(cont)
             gm.graph.erase_node(m)
             offset += w.shape[0]

@@ -10,6 +10,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, rotat
 
 from attngraph import ops  # noqa: F401  (registers torch.ops.attngraph.attention)
 from attngraph.passes.fold_rope import fold_rope
+from attngraph.passes.fuse_linears import fuse_linears
 
 from .test_skinny_linears import count, run_graph, traced
 
@@ -22,19 +23,21 @@ class RopeAttention(torch.nn.Module):
     (``e.transpose(1, 2).reshape(-1, H, D)``, the batch size read off ``e``). Variants break
     one condition of the fold each."""
 
-    def __init__(self, *, rotate_k=True, partial=False, return_k_embed=False, k_cos_scale=1.0):
+    def __init__(self, *, rotate_k=True, partial=False, return_k_embed=False, k_cos_scale=1.0, return_v=False):
         super().__init__()
         torch.manual_seed(0)
         self.q = torch.nn.Linear(32, H * D, bias=False)
         self.k = torch.nn.Linear(32, HKV * D, bias=False)
         self.v = torch.nn.Linear(32, HKV * D, bias=False)
         self.rotate_k, self.partial, self.return_k_embed, self.k_cos_scale = rotate_k, partial, return_k_embed, k_cos_scale
+        self.return_v = return_v
 
     def forward(self, x, cos, sin):
         t = x.shape[1]
         q = self.q(x).view(1, t, H, D).transpose(1, 2)
         k = self.k(x).view(1, t, HKV, D).transpose(1, 2)
-        v = self.v(x).view(1, t, HKV, D).transpose(1, 2)
+        v_cols = self.v(x)
+        v = v_cols.view(1, t, HKV, D).transpose(1, 2)
         if self.partial:  # rotary_dim = D / 2 (GPT-NeoX, Phi): rotate a slice, keep the rest
             r = D // 2
             q_rot, k_rot = apply_rotary_pos_emb(q[..., :r], k[..., :r], cos[..., :r], sin[..., :r])
@@ -51,6 +54,8 @@ class RopeAttention(torch.nn.Module):
             q_embed.transpose(1, 2).reshape(-1, H, D), k_embed.transpose(1, 2).reshape(-1, HKV, D),
             v.transpose(1, 2).reshape(-1, HKV, D), 0, 1 / math.sqrt(D), True, -1, 0.0, b,
         )  # fmt: skip
+        if self.return_v:  # the projection's columns read by something besides the op
+            return out, v_cols
         return (out, k_embed) if self.return_k_embed else out
 
 
@@ -137,3 +142,30 @@ def test_a_second_run_finds_nothing_to_fold():
     assert len(fold_rope(gm).folded) == 1
     again = fold_rope(gm)
     assert not again.folded and not again.refused
+
+
+def contiguous_calls(gm) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_method" and n.target == "contiguous")
+
+
+@pytest.mark.parametrize("return_v", [False, True], ids=["op reads all", "v's columns returned"])
+def test_folded_op_reads_the_fused_projection_in_place(return_v):
+    """After `fuse_linears` (q, k, v as ``narrow(...).contiguous()`` of one GEMM) a folded op
+    reads the columns in place: no copy takes the rotation's kernel's place. A copy whose
+    columns something else reads stays."""
+    module = RopeAttention(return_v=return_v)
+    x = torch.randn(1, 5, 32)
+    cos, sin = rope_rows(5)
+    gm, phs, real = traced(module, x, cos, sin)
+    inputs = [x, cos, sin]
+    example = [next(iter([inputs.pop(0)])) if r is None else r for r in real]
+    fused = fuse_linears(gm, example)
+    assert len(fused.groups) == 1 and contiguous_calls(gm) == 3
+    result = fold_rope(gm)
+    assert len(result.folded) == 1 and rope_muls(gm) == 0
+    assert result.copies_dropped == (2 if return_v else 3) and contiguous_calls(gm) == 3 - result.copies_dropped
+    x = torch.randn(1, 5, 32)  # fresh values
+    it = iter([x, cos, sin])
+    got = as_tuple(gm(*[next(it) if r is None else r for r in real], *fused.extra_inputs))
+    want = as_tuple(module(x, cos, sin))
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
