@@ -68,10 +68,13 @@ DOT_MAX_ROWS = 16
 DOT_MAX_WEIGHT = 1 << 26
 #: Where the tensor-core kernel serves `rms_norm_linear` / `add_rms_norm_linear`, fold the norm
 #: into its operand loads (`skinny_dot.skinny_dot_rms_norm_linear`: every program reads all
-#: rows of x for the statistics) instead of the norm's own launch before it. Off until measured
-#: against the two launches (``benchmarks/bench_generate.py --dot-fold-norm on,off``); with
-#: `DOT_MIN_ROWS` at 1 the kernel also takes the one- and two-row projections the GEMV leaves
-#: to cuBLAS (the 1B gate/up).
+#: rows of x for the statistics) instead of the norm's own launch before it. Off: on an H200
+#: it made the 1B-shaped decode step slower (batch 16: 1.639 against 1.217 ms, every program
+#: re-reading all 16 rows; both with the prefetch and the RoPE fold on;
+#: ``benchmarks/bench_generate.py --dot-fold-norm on``,
+#: ``results/generate_switches_h200_2026-12-05.json``). With `DOT_MIN_ROWS` at 1 the kernel
+#: also takes the one- and two-row projections the GEMV leaves to cuBLAS (the 1B gate/up):
+#: slower too (batch 1: 1.249 against 1.053 ms).
 DOT_FOLD_NORM = False
 
 #: What the rows of an op's input are, as `passes.skinny_linears` proved it from the symbolic

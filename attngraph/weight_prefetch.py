@@ -15,9 +15,12 @@ before their own loads, which costs a few instructions. A prefetch is a hint: it
 result, and row and column indices are clamped into the weight, so no line outside it is asked
 for.
 
-`ENABLED` (``ATTNGRAPH_WEIGHT_PREFETCH=1``) is off by default until it is measured against the
-kernels without it (``benchmarks/bench_generate.py --prefetch on,off``); `enabled` applies it
-only where the kernels launch with PDL. A CUDA graph keeps what was set when it was captured.
+`ENABLED` (``ATTNGRAPH_WEIGHT_PREFETCH=1``) is off by default: on an H200 it made the
+Llama-3.2-1B-shaped decode step slower (batch 1: 1.067 against 0.978 ms; batch 16: 1.238
+against 1.092; ``benchmarks/bench_generate.py --prefetch on,off``,
+``benchmarks/results/generate_switches_h200_2026-12-05.json``), most likely because the
+prefetches compete for the bandwidth the kernel before the wait is still using. `enabled`
+applies it only where the kernels launch with PDL. A CUDA graph keeps what was set when it was captured.
 """
 
 from __future__ import annotations
