@@ -112,12 +112,14 @@ LOOPS = {"chunks": {}, "steps": {"logits_processor": transformers.LogitsProcesso
 
 def teacher_forced_agreement(reference, accelerated, sequences, prompt_len: int, mask) -> float:
     """Fraction of generated positions where HF eager, given the accelerated run's own prefix,
-    picks the same greedy token (random weights make free-running sequences diverge at the
-    first bf16 near-tie, so this is the per-position measure)."""
+    has the generated token as a greedy choice: its largest logit, tied or not (random weights
+    make free-running sequences diverge at the first bf16 near-tie, so this is the per-position
+    measure; at an exact tie both tokens are HF's argmax)."""
     full_mask = torch.cat([mask, torch.ones_like(sequences[:, prompt_len:])], 1)
     with torch.no_grad():
         logits = reference(sequences, attention_mask=full_mask).logits[:, prompt_len - 1 : -1]
-    return float((logits.argmax(-1) == sequences[:, prompt_len:]).float().mean())
+    picked = logits.gather(-1, sequences[:, prompt_len:, None]).squeeze(-1)
+    return float((picked == logits.max(-1).values).float().mean())
 
 
 def spread(steps: list[float]) -> dict:
