@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The GPU tests and benchmarks in two stages of under 10 minutes each on an H200. Run from the
+# The GPU tests and benchmarks in stages of under 10 minutes each on an H200. Run from the
 # project root on a machine with an NVIDIA GPU after the set-up of benchmarks/BENCHMARKS.md
 # (`pip install torch==2.11.0` and `pip install -e ".[flashinfer,triton,bench,test]"`);
 # results go to $OUT (default benchmarks/results):
-#   bash benchmarks/run_gpu.sh tests   # every `gpu` test, soak included (ATTNGRAPH_GPU_SOAK_STEPS)
+#   bash benchmarks/run_gpu.sh e2e     # the `gpu` tests against HF eager generate (about 7.5 minutes)
+#   bash benchmarks/run_gpu.sh runtime # the other `gpu` tests of the runtime, soak included (ATTNGRAPH_GPU_SOAK_STEPS)
+#   bash benchmarks/run_gpu.sh tests   # every other `gpu` test (kernels, backends, passes)
 #   bash benchmarks/run_gpu.sh bench   # kernel benchmark, then end-to-end generate benchmark
 #   bash benchmarks/run_gpu.sh prefill # prefill steps per CUDA-graph mode, then accelerate() alone
 #   bash benchmarks/run_gpu.sh kernels # kernels per prefill / decode step, by class and name
@@ -13,10 +15,20 @@ OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 stage=${1:-all}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/device.txt" 2>&1
-if [ "$stage" = tests ] || [ "$stage" = all ]; then
+E2E=(tests/runtime/test_generate_gpu.py tests/runtime/test_exact_copy_gpu.py)
+gpu_tests() {  # name, then pytest's arguments
+    local name=$1
+    shift
     ATTNGRAPH_GPU_SOAK_STEPS=${ATTNGRAPH_GPU_SOAK_STEPS:-4000} timeout ${TEST_TIMEOUT:-540} \
-        python3 -m pytest -q -m gpu -rfEs --durations=15 -p no:cacheprovider tests/ > "$OUT/gpu_tests.log" 2>&1
-    echo "tests rc=$?" >> "$OUT/device.txt"
+        python3 -m pytest -q -m gpu -rfEs --durations=15 -p no:cacheprovider "$@" > "$OUT/gpu_$name.log" 2>&1
+    echo "$name tests rc=$?" >> "$OUT/device.txt"
+}
+if [ "$stage" = e2e ] || [ "$stage" = all ]; then gpu_tests e2e "${E2E[@]}"; fi
+if [ "$stage" = runtime ] || [ "$stage" = all ]; then
+    gpu_tests runtime tests/runtime --deselect "${E2E[0]}" --deselect "${E2E[1]}"
+fi
+if [ "$stage" = tests ] || [ "$stage" = all ]; then
+    gpu_tests other tests --ignore=tests/runtime
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
     if [ "${QUICK:-0}" = 1 ]; then ATT="--quick"; BATCHES=1; else ATT=""; BATCHES=1,8; fi
