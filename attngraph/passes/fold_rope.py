@@ -162,7 +162,7 @@ def _op_input(arg) -> tuple[fx.Node, fx.Node, fx.Node] | None:
 _VIEWS_ANY_STRIDE = ("reshape", "transpose", "permute")  # valid on any strides (reshape copies if it must)
 
 
-def _drop_split_copy(arg: fx.Node) -> fx.Node | None:
+def _drop_split_copy(arg: fx.Node, op: fx.Node) -> fx.Node | None:
     """Drop `fuse_linears`' ``narrow(-1, ...).contiguous()`` copy behind an input of a folded op.
 
     ``arg`` (q, k or v of the op) = reshape / transpose / permute ops over ``view(c, ...)``
@@ -170,10 +170,10 @@ def _drop_split_copy(arg: fx.Node) -> fx.Node | None:
     into the rotation's kernel; with it, the copy would be a launch of its own. Where the
     ``view`` only splits the last dimension, it is valid on the narrowed columns too (their
     last stride is 1), and the ops after it are valid on any strides, so the view reads the
-    fused GEMM's output in place: the op takes strided ``[T, H, D]`` inputs (unit stride along
-    D, which every backend accepts). Nodes on the way may have other readers only of their
-    size (same shape either way). Returns the dropped copy's input, or None where nothing
-    matched."""
+    fused GEMM's output in place: the op (``op``) takes strided ``[T, H, D]`` inputs (unit
+    stride along D; a backend that needs more copies them itself). Nodes on the way may have
+    other readers only of their size (same shape either way). Returns the dropped copy's
+    input, or None where nothing matched."""
     node = arg
     while fu.is_op(node, _VIEWS_ANY_STRIDE) and not node.kwargs and isinstance(node.args[0], fx.Node):
         node = node.args[0]
@@ -198,8 +198,8 @@ def _drop_split_copy(arg: fx.Node) -> fx.Node | None:
         path.append(node)
         node = node.args[0]
     path.append(view)
-    inside = set(path)
-    for n in path[1:]:
+    inside = {*path, op}
+    for n in path:
         if any(u not in inside and not (fu.is_op(u, ("size",)) and u.args[0] is n) for u in n.users):
             return None
     copy.replace_all_uses_with(split)
@@ -269,7 +269,7 @@ def fold_rope(gm: fx.GraphModule) -> FoldRopeResult:
             if not unread:
                 raise AssertionError(f"fold_rope: pattern nodes still read after the rewrite: {dead}")
         for arg in new_op.args[:3]:  # q, k, v
-            if _drop_split_copy(arg) is not None:
+            if _drop_split_copy(arg, new_op) is not None:
                 result.copies_dropped += 1
         result.folded.append(new_op.name)
     summary = f"fold_rope: {len(result.folded)} rotary embeddings folded into attention ops"

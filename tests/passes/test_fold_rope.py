@@ -23,21 +23,24 @@ class RopeAttention(torch.nn.Module):
     (``e.transpose(1, 2).reshape(-1, H, D)``, the batch size read off ``e``). Variants break
     one condition of the fold each."""
 
-    def __init__(self, *, rotate_k=True, partial=False, return_k_embed=False, k_cos_scale=1.0, return_v=False):
+    def __init__(self, *, rotate_k=True, partial=False, return_k_embed=False, k_cos_scale=1.0, return_v=False, v_rows=False):
         super().__init__()
         torch.manual_seed(0)
         self.q = torch.nn.Linear(32, H * D, bias=False)
         self.k = torch.nn.Linear(32, HKV * D, bias=False)
         self.v = torch.nn.Linear(32, HKV * D, bias=False)
         self.rotate_k, self.partial, self.return_k_embed, self.k_cos_scale = rotate_k, partial, return_k_embed, k_cos_scale
-        self.return_v = return_v
+        self.return_v, self.v_rows = return_v, v_rows
 
     def forward(self, x, cos, sin):
         t = x.shape[1]
         q = self.q(x).view(1, t, H, D).transpose(1, 2)
         k = self.k(x).view(1, t, HKV, D).transpose(1, 2)
         v_cols = self.v(x)
-        v = v_cols.view(1, t, HKV, D).transpose(1, 2)
+        if self.v_rows:  # a view across the token rows: not valid on the fused GEMM's columns
+            v = v_cols.view(t * HKV, D).reshape(1, t, HKV, D).transpose(1, 2)
+        else:
+            v = v_cols.view(1, t, HKV, D).transpose(1, 2)
         if self.partial:  # rotary_dim = D / 2 (GPT-NeoX, Phi): rotate a slice, keep the rest
             r = D // 2
             q_rot, k_rot = apply_rotary_pos_emb(q[..., :r], k[..., :r], cos[..., :r], sin[..., :r])
@@ -148,12 +151,13 @@ def contiguous_calls(gm) -> int:
     return sum(1 for n in gm.graph.nodes if n.op == "call_method" and n.target == "contiguous")
 
 
-@pytest.mark.parametrize("return_v", [False, True], ids=["op reads all", "v's columns returned"])
-def test_folded_op_reads_the_fused_projection_in_place(return_v):
+@pytest.mark.parametrize("variant", [{}, dict(return_v=True), dict(v_rows=True)],
+                         ids=["op reads all", "v's columns returned", "v viewed across rows"])
+def test_folded_op_reads_the_fused_projection_in_place(variant):
     """After `fuse_linears` (q, k, v as ``narrow(...).contiguous()`` of one GEMM) a folded op
     reads the columns in place: no copy takes the rotation's kernel's place. A copy whose
-    columns something else reads stays."""
-    module = RopeAttention(return_v=return_v)
+    columns something else reads, or whose view spans more than the last dimension, stays."""
+    module = RopeAttention(**variant)
     x = torch.randn(1, 5, 32)
     cos, sin = rope_rows(5)
     gm, phs, real = traced(module, x, cos, sin)
@@ -163,7 +167,7 @@ def test_folded_op_reads_the_fused_projection_in_place(return_v):
     assert len(fused.groups) == 1 and contiguous_calls(gm) == 3
     result = fold_rope(gm)
     assert len(result.folded) == 1 and rope_muls(gm) == 0
-    assert result.copies_dropped == (2 if return_v else 3) and contiguous_calls(gm) == 3 - result.copies_dropped
+    assert result.copies_dropped == (2 if variant else 3) and contiguous_calls(gm) == 3 - result.copies_dropped
     x = torch.randn(1, 5, 32)  # fresh values
     it = iter([x, cos, sin])
     got = as_tuple(gm(*[next(it) if r is None else r for r in real], *fused.extra_inputs))
