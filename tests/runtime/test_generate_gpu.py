@@ -6,12 +6,11 @@ Greedy agreement is therefore measured teacher-forced: for every generated posit
 run, HF eager computes the logits on the same prefix, and our pick must be HF's greedy choice
 at >= 95% of positions (4 prompts x 128 tokens); the logits themselves must agree within bf16
 tolerance. HF's choice is any token holding its largest logit: bf16 logits can tie exactly
-(10 of the 512 positions of the DeepSeek-V3 case), and at a tie both tokens are HF's argmax
-(which one ``argmax`` returns is index order, not the model).
-HF's own bf16 forward agrees with the same model in fp32 at only about 97% of such positions
-(and with its own cached decode at 97-99%; Qwen2 and Llama shapes here, on the CPU), so 95% is
-two to three points under HF's own rounding noise: 512 positions keep a chance flip or two from
-deciding the test. A failure reports the margins at the differing positions and both runs'
+(the DeepSeek-V3 case picked a tied token at 10 of its 512 positions), and at a tie both
+tokens are HF's argmax (which one ``argmax`` returns is index order, not the model).
+HF's own bf16 forward agrees with the same model in fp32 at only 95-98% of such positions
+(Qwen2 and Llama shapes on the CPU: about 97%, and 97-99% with its own cached decode; the
+DeepSeek-V3 case on an H200: 95.3%), so 95% sits at or under HF's own rounding noise. A failure reports the margins at the differing positions and both runs'
 agreement with the fp32 model.
 Both the prefill (paged extend) and every decode step (the captured CUDA graphs) are checked.
 """
