@@ -142,8 +142,8 @@ class CompileConfig:
         op (`passes.fold_rope`); the Triton backend's decode kernel rotates them as it loads
         them (one launch less per layer of a decode step), every other call rotates them
         first in one launch. Off by default: on an H200 the 1B-shaped decode step ran 16
-        kernels fewer but 0.02 ms slower at batch 1 (0.981 against 0.962 ms; the rotation
-        lengthens the latency-bound decode kernel), faster at batch 16 (1.088 against
+        kernels fewer but 0.02 ms slower at batch 1 (0.981 against 0.962 ms; likely the
+        rotation lengthening the latency-bound decode kernel), faster at batch 16 (1.088 against
         1.184), and the 8B shape slower at both
         (``benchmarks/bench_generate.py --fold-rope on,off``,
         ``benchmarks/results/generate_switches_h200_2026-12-05.json``).

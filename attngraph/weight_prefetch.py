@@ -20,7 +20,8 @@ Llama-3.2-1B-shaped decode step slower (batch 1: 1.067 against 0.978 ms; batch 1
 against 1.092; ``benchmarks/bench_generate.py --prefetch on,off``,
 ``benchmarks/results/generate_switches_h200_2026-12-05.json``), most likely because the
 prefetches compete for the bandwidth the kernel before the wait is still using. `enabled`
-applies it only where the kernels launch with PDL. A CUDA graph keeps what was set when it was captured.
+applies it only where the kernels launch with PDL. A CUDA graph keeps what was set when it
+was captured.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ class RopeAttention(torch.nn.Module):
     (``e.transpose(1, 2).reshape(-1, H, D)``, the batch size read off ``e``). Variants break
     one condition of the fold each."""
 
-    def __init__(self, *, rotate_k=True, partial=False, return_k_embed=False, k_cos_scale=1.0, return_v=False, v_rows=False):
+    def __init__(self, *, rotate_k=True, partial=False, return_k_embed=False, k_cos_scale=1.0, return_v=False,
+                 v_rows=False):
         super().__init__()
         torch.manual_seed(0)
         self.q = torch.nn.Linear(32, H * D, bias=False)
@@ -161,15 +162,14 @@ def test_folded_op_reads_the_fused_projection_in_place(variant):
     x = torch.randn(1, 5, 32)
     cos, sin = rope_rows(5)
     gm, phs, real = traced(module, x, cos, sin)
-    inputs = [x, cos, sin]
-    example = [next(iter([inputs.pop(0)])) if r is None else r for r in real]
-    fused = fuse_linears(gm, example)
+    given = iter([x, cos, sin])
+    fused = fuse_linears(gm, [next(given) if r is None else r for r in real])
     assert len(fused.groups) == 1 and contiguous_calls(gm) == 3
     result = fold_rope(gm)
     assert len(result.folded) == 1 and rope_muls(gm) == 0
     assert result.copies_dropped == (2 if variant else 3) and contiguous_calls(gm) == 3 - result.copies_dropped
     x = torch.randn(1, 5, 32)  # fresh values
-    it = iter([x, cos, sin])
-    got = as_tuple(gm(*[next(it) if r is None else r for r in real], *fused.extra_inputs))
+    given = iter([x, cos, sin])
+    got = as_tuple(gm(*[next(given) if r is None else r for r in real], *fused.extra_inputs))
     want = as_tuple(module(x, cos, sin))
     assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))

@@ -10,8 +10,9 @@ tolerance. HF's choice is any token holding its largest logit: bf16 logits can t
 tokens are HF's argmax (which one ``argmax`` returns is index order, not the model).
 HF's own bf16 forward agrees with the same model in fp32 at only 95-98% of such positions
 (Qwen2 and Llama shapes on the CPU: about 97%, and 97-99% with its own cached decode; the
-DeepSeek-V3 case on an H200: 95.3%), so 95% sits at or under HF's own rounding noise. A failure reports the margins at the differing positions and both runs'
-agreement with the fp32 model.
+DeepSeek-V3 case on an H200: 95.3%), so 95% sits at or under HF's own rounding noise. A
+failure reports the margins at the differing positions and both runs' agreement with the fp32
+model.
 Both the prefill (paged extend) and every decode step (the captured CUDA graphs) are checked.
 """
 
