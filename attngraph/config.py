@@ -155,6 +155,12 @@ class CompileConfig:
         an H200, prefill 11x slower (3.4x the multiply-adds per query-key pair). False keeps
         the expanded per-head K/V (the MHA form): for prefill-heavy work, and for backends
         limited to common head dims (FlashInfer).
+    l2_prefetch_mlp_bytes:
+        Paged runtime, Triton decode attention on a GPU with programmatic dependent launch:
+        before each layer's decode attention, ask L2 for the first this many bytes of the
+        layer's MLP input weight (a gated MLP's fused gate/up rows; `runtime.mlp_prefetch`),
+        so memory left idle by the latency-bound kernels of attention streams the weight the
+        next GEMM reads. One small launch per layer; a hint that changes no result. 0: off.
     debug_dump_dir:
         Folder for FX graph dumps before/after each pass. The environment variable
         ``ATTNGRAPH_DEBUG=1`` turns dumps on with a temporary folder named in the log.
@@ -190,6 +196,7 @@ class CompileConfig:
     fold_rms_norm: bool = True
     fold_rope: bool = False
     absorb_mla: bool = True
+    l2_prefetch_mlp_bytes: int = 0
     debug_dump_dir: str | None = None
 
     def __post_init__(self) -> None:
@@ -235,6 +242,7 @@ class CompileConfig:
             if not isinstance(getattr(self, fname), bool):  # "no" would read as True
                 raise ConfigError(f"{fname} must be True or False, got {getattr(self, fname)!r}")
         _check_int(self.page_size, "page_size", 1)
+        _check_int(self.l2_prefetch_mlp_bytes, "l2_prefetch_mlp_bytes", 0)
         _check_int(self.max_requests, "max_requests", 1)
         if self.max_context_len is not None:
             _check_int(self.max_context_len, "max_context_len", 1)

@@ -15,6 +15,12 @@ before their own loads, which costs a few instructions. A prefetch is a hint: it
 result, and row and column indices are clamped into the weight, so no line outside it is asked
 for.
 
+`prefetch_bytes_l2` asks L2 for a whole byte range in one small launch of bulk prefetches
+(``cp.async.bulk.prefetch.L2``, no registers held): the Triton backend issues it before a
+layer's decode attention for the layer's feed-forward weight
+(`CompileConfig.l2_prefetch_mlp_bytes`), so memory otherwise idle during attention streams
+weights the GEMM after it would read.
+
 `ENABLED` (``ATTNGRAPH_WEIGHT_PREFETCH=1``) is off by default: on an H200 it made the
 Llama-3.2-1B-shaped decode step slower (batch 1: 1.067 against 0.978 ms; batch 16: 1.238
 against 1.092; ``benchmarks/bench_generate.py --prefetch on,off``,
@@ -33,12 +39,17 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .pdl import gdc_launch_dependents, gdc_wait
 
 #: Prefetch the rest of each program's weight range into L2 before ``gdc_wait`` (see the module).
 ENABLED = os.environ.get("ATTNGRAPH_WEIGHT_PREFETCH", "0") == "1"
 
 #: Bytes per L2 line on the GPUs with PDL (Hopper, Blackwell).
 LINE_BYTES = 128
+#: Bytes per bulk prefetch of `prefetch_bytes_l2` (a multiple of 16, the instruction's unit).
+BULK_BYTES = 16384
+#: Bulk prefetches per program of `prefetch_bytes_l2` (one per thread of its one warp).
+BULK_PER_PROGRAM = 32
 
 
 def enabled(device: torch.device) -> bool:
@@ -66,3 +77,51 @@ def prefetch_rows_l2(W, offs_n, N, stride_wn, k_from, k_hi, BLOCK_N: tl.constexp
             "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [w_rows + offs[None, :]],
             dtype=tl.int32, is_pure=False, pack=1,
         )  # fmt: skip
+
+
+@triton.jit
+def _bulk_prefetch_l2_kernel(W, nbytes, BULK: tl.constexpr, PER: tl.constexpr, USE_PDL: tl.constexpr):
+    """``cp.async.bulk.prefetch.L2`` of bytes ``[0, nbytes)`` from ``W`` (``nbytes`` a multiple
+    of ``BULK``), ``PER`` pieces of ``BULK`` bytes per program. The prefetches read nothing any
+    kernel writes, so they are issued before ``gdc_wait``; the wait keeps the stream's order
+    (the kernel after this one waits for this one only)."""
+    pid = tl.program_id(0)
+    offs = (pid * PER + tl.arange(0, PER)).to(tl.int64) * BULK
+    offs = tl.minimum(offs, nbytes - BULK)  # the last program's spare lanes repeat the last piece
+    base = W.to(tl.pointer_type(tl.int8))
+    sizes = tl.full([PER], BULK, tl.int32)
+    tl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r", [base + offs, sizes],
+        dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+def prefetchable_bytes(t: torch.Tensor, nbytes: int) -> int:
+    """How many of the first ``nbytes`` bytes from ``t.data_ptr()`` `prefetch_bytes_l2` asks
+    for: at most what ``t``'s storage holds from there, rounded down to `BULK_BYTES`; 0 for an
+    address not 16-byte aligned."""
+    if nbytes <= 0 or t.data_ptr() % 16:
+        return 0
+    storage = t.untyped_storage()
+    left = storage.nbytes() - (t.data_ptr() - storage.data_ptr())
+    return min(int(nbytes), left) // BULK_BYTES * BULK_BYTES
+
+
+def prefetch_bytes_l2(t: torch.Tensor, nbytes: int) -> bool:
+    """Ask L2 for the first ``nbytes`` bytes of memory from ``t.data_ptr()`` (within ``t``'s
+    storage; `prefetchable_bytes`): one launch of ``cdiv(bytes, BULK_BYTES * BULK_PER_PROGRAM)``
+    one-warp programs, with programmatic dependent launch, so the prefetches are issued while
+    the kernel before still runs. A hint: no result changes. Runs only where the device has PDL
+    (`pdl.enabled`: compute capability 9.0 or later, where the bulk prefetch exists); returns
+    whether it launched."""
+    size = prefetchable_bytes(t, nbytes)
+    if size == 0 or not pdl.enabled(t.device):
+        return False
+    per = BULK_BYTES * BULK_PER_PROGRAM
+    _bulk_prefetch_l2_kernel[(triton.cdiv(size, per),)](
+        t, size, BULK=BULK_BYTES, PER=BULK_PER_PROGRAM, USE_PDL=True, num_warps=1, **pdl.launch_options(True)
+    )
+    return True

@@ -21,6 +21,8 @@ choice on the row's own prefix).
         --dot-fold-norm on,off --dot-min-rows 3,1   # norm in the tensor-core kernel; 1-2 rows on it
     python benchmarks/bench_generate.py --shapes 1b --batches 1,16 --backends triton \
         --fold-rope on,off   # the rotary embedding inside the decode attention kernel, or not
+    python benchmarks/bench_generate.py --shapes 1b --batches 1,16 --backends triton \
+        --l2-prefetch-mlp 0,33554432   # 32 MiB of each layer's gate/up asked into L2 during attention
     python benchmarks/plot_generate.py benchmarks/results/generate.json --png benchmarks/generate.png
 """
 
@@ -189,6 +191,9 @@ def main() -> None:
     p.add_argument("--one-row-limit", default="default",
                    help="linear_ops.KERNEL_MAX_WEIGHT_ONE_ROW: the largest weight (elements) the GEMV takes at one row, "
                         "comma-separated values (default: the module's)")  # fmt: skip
+    p.add_argument("--l2-prefetch-mlp", default="0",
+                   help="CompileConfig.l2_prefetch_mlp_bytes: bytes of each layer's MLP weight asked into L2 before its "
+                        "decode attention, comma-separated values (0: off, the default)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=3,
                    help="timed generates per row (after one warm-up); the median step is reported, the range beside it")
     p.add_argument("--out", default=None)
@@ -211,6 +216,8 @@ def main() -> None:
         p.error(f"--pdl takes {', '.join(PDL_LABELS)}; got {', '.join(bad)}")
     if bad := [v for v in args.one_row_limit.split(",") if v != "default" and not (v.isdigit() and int(v) > 0)]:
         p.error(f"--one-row-limit takes 'default' or positive element counts; got {', '.join(bad)}")
+    if bad := [v for v in args.l2_prefetch_mlp.split(",") if not v.isdigit()]:
+        p.error(f"--l2-prefetch-mlp takes byte counts >= 0; got {', '.join(bad)}")
     if not torch.cuda.is_available():
         sys.exit("bench_generate.py needs a CUDA device (it times bf16 generate on the GPU); "
                  "on a CPU `attngraph generate llama --tiny --prompt ...` compares tokens/s")  # fmt: skip
@@ -251,12 +258,13 @@ def main() -> None:
                     except Exception as exc:
                         add("HF static cache + torch.compile", b, error=f"{type(exc).__name__}: {exc}"[:500])
                     torch._dynamo.reset()
-        variants = [(name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope) for name in args.backends.split(",") if name
+        variants = [(name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2) for name in args.backends.split(",") if name
                     for skinny in args.skinny.split(",") for fold in args.fold_rms_norm.split(",") for pdl in args.pdl.split(",")
                     for limit in args.one_row_limit.split(",") for dot in args.dot.split(",")
                     for pf in args.prefetch.split(",") for dfold in args.dot_fold_norm.split(",")
-                    for dmin in args.dot_min_rows.split(",") for rope in args.fold_rope.split(",")]  # fmt: skip
-        for name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope in variants:
+                    for dmin in args.dot_min_rows.split(",") for rope in args.fold_rope.split(",")
+                    for l2 in args.l2_prefetch_mlp.split(",")]  # fmt: skip
+        for name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2 in variants:
             label = f"attngraph[{name}]" + ("" if skinny == "on" else " skinny_linears=False") + PDL_LABELS[pdl]
             label += "" if fold == "on" else " fold_rms_norm=False"
             label += "" if limit == "default" else f" one-row GEMV <= {limit}"
@@ -265,6 +273,7 @@ def main() -> None:
             label += "" if dfold == "default" else f" dot-fold-norm={dfold}"
             label += "" if dmin == "default" else f" dot-min-rows={dmin}"
             label += "" if rope == "default" else f" fold-rope={rope}"
+            label += "" if int(l2) == 0 else f" l2-prefetch-mlp={int(l2) >> 20}MiB"
             rope_option = {} if rope == "default" else {"fold_rope": rope == "on"}
             linear_ops.DOT_FOLD_NORM = DOT_FOLD_NORM_DEFAULT if dfold == "default" else dfold == "on"
             linear_ops.DOT_MIN_ROWS = DOT_MIN_ROWS_DEFAULT if dmin == "default" else int(dmin)
@@ -277,7 +286,7 @@ def main() -> None:
             t0 = time.perf_counter()
             try:
                 attngraph.accelerate(m, attention_backend=name, kv_cache_tokens=1 << 15, skinny_linears=skinny == "on",
-                                    fold_rms_norm=fold == "on", **rope_option)  # fmt: skip
+                                    fold_rms_norm=fold == "on", l2_prefetch_mlp_bytes=int(l2), **rope_option)  # fmt: skip
             except Exception as exc:  # report and go on with the next backend
                 add(label, 0, error=f"{type(exc).__name__}: {exc}"[:500])
                 continue

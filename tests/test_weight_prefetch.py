@@ -5,6 +5,9 @@
   with a bias) compiled for sm_90 with Triton's ptxas (`tests/sm90_compile.py`): with
   ``PREFETCH`` every ``prefetch.global.L2`` precedes ``griddepcontrol.wait``; with or without
   it the weight's loads are 16-byte vectors and nothing spills.
+* CPU: the bulk prefetch kernel of `prefetch_bytes_l2` compiled for sm_90 issues
+  ``cp.async.bulk.prefetch.L2`` before ``griddepcontrol.wait``; the byte ranges it is given
+  stay inside the tensor's storage.
 * GPU: the kernels' outputs with prefetching are bit-equal to those without, eagerly and
   replayed from a CUDA graph.
 """
@@ -42,6 +45,10 @@ CASES = {
 }  # fmt: skip
 
 
+BULK = ("attngraph.weight_prefetch:_bulk_prefetch_l2_kernel", {"W": "*bf16"},
+        dict(BULK=16384, PER=32, USE_PDL=True), dict(num_warps=1, num_stages=1))
+
+
 @pytest.fixture(scope="module")
 def compiled() -> dict:
     """``(case, prefetch) -> {"ptx", "regs", "local_bytes"}``, compiled in one child process
@@ -51,7 +58,28 @@ def compiled() -> dict:
     keys = [(case, pf) for case in CASES for pf in (True, False)]
     specs = [dict(kernel=CASES[c][0], types=CASES[c][1], constexprs={**CASES[c][2], "PREFETCH": pf}, options=CASES[c][3],
                   divisible=DIVISIBLE) for c, pf in keys]  # fmt: skip
-    return dict(zip(keys, compile_in_child(specs)))
+    specs.append(dict(kernel=BULK[0], types=BULK[1], constexprs=BULK[2], options=BULK[3], divisible=[]))
+    return dict(zip(keys + [("bulk", True)], compile_in_child(specs)))
+
+
+def test_bulk_prefetches_precede_the_wait(compiled):
+    ptx = compiled["bulk", True]["ptx"]
+    wait = ptx.find("griddepcontrol.wait")
+    assert wait > 0 and ptx.find("griddepcontrol.launch_dependents") > wait
+    issued = ptx.count("cp.async.bulk.prefetch.L2.global")
+    assert issued >= 1 and ptx.rfind("cp.async.bulk.prefetch.L2.global") < wait
+    assert compiled["bulk", True]["local_bytes"] == 0
+
+
+def test_prefetchable_bytes_stay_in_the_storage():
+    from attngraph.weight_prefetch import BULK_BYTES, prefetchable_bytes
+
+    fused = torch.empty(3 * BULK_BYTES + 100, dtype=torch.uint8)
+    assert prefetchable_bytes(fused, 1 << 30) == 3 * BULK_BYTES  # clamped to the storage, whole pieces
+    assert prefetchable_bytes(fused, 2 * BULK_BYTES + 5) == 2 * BULK_BYTES
+    assert prefetchable_bytes(fused[BULK_BYTES:], 1 << 30) == 2 * BULK_BYTES  # from the view's start
+    assert prefetchable_bytes(fused[1:], 1 << 30) == 0  # not 16-byte aligned
+    assert prefetchable_bytes(fused, 0) == 0 and prefetchable_bytes(fused, BULK_BYTES - 1) == 0
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -32,7 +32,7 @@ Example
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -151,6 +151,9 @@ class TritonBackend(AttentionBackend):
         self._step_batch: "ForwardBatch | None" = None
         self._step_max_extend_len = 0
         self._step_partials: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        # set_decode_prefetch: layer -> (tensor, bytes) asked into L2 before its decode attention
+        self._prefetch_source: "Callable[[int], tuple[torch.Tensor, int] | None] | None" = None
+        self._prefetch_ranges: dict[int, tuple[torch.Tensor, int] | None] = {}
 
     # ------------------------------------------------------------------ planning
     def _sm_count(self, device: torch.device) -> int:
@@ -301,6 +304,7 @@ class TritonBackend(AttentionBackend):
         vb = pool.v_buffers[layer.layer_id].view(-1, pool.num_kv_heads, pool.v_head_dim)
         if out is None:
             out = q.new_empty((bsz, layer.num_q_heads, pool.v_head_dim))
+        self._prefetch_for_decode(layer.layer_id, q.device)
         splits = self.decode_max_splits(bsz, pool.num_kv_heads, q.device)
         part_o, part_lse = self._partials(bsz, layer.num_q_heads, splits, pool.v_head_dim, q.device)
         # A decode query is the last key, so causal and non-causal see the same keys.
@@ -311,6 +315,28 @@ class TritonBackend(AttentionBackend):
             sinks=layer.sinks, chunk_size=layer.chunk_size, alibi_slopes=_slopes(layer, q),
             counters=self._counters(bsz * layer.num_q_heads, q.device) if fused else None, **new_kv,
         )  # fmt: skip
+
+    def set_decode_prefetch(self, source: "Callable[[int], tuple[torch.Tensor, int] | None] | None") -> None:
+        """Before each decode attention launch of layer ``i``, ask L2 for ``source(i)``:
+        ``(tensor, bytes)``, the first ``bytes`` of memory from ``tensor``'s start
+        (`weight_prefetch.prefetch_bytes_l2`, one launch; a hint that changes no result), or
+        None for nothing. The runtime passes its MLP weights (`runtime.mlp_prefetch`) when
+        `CompileConfig.l2_prefetch_mlp_bytes` is set; ``source`` is asked once per layer, at
+        the first decode launch (CUDA graphs keep the launch they captured). None: off."""
+        self._prefetch_source = source
+        self._prefetch_ranges = {}
+
+    def _prefetch_for_decode(self, layer_id: int, device: torch.device) -> None:
+        source = self._prefetch_source
+        if source is None or device.type != "cuda":
+            return
+        if layer_id not in self._prefetch_ranges:
+            self._prefetch_ranges[layer_id] = source(layer_id)
+        found = self._prefetch_ranges[layer_id]
+        if found is not None:
+            from ..weight_prefetch import prefetch_bytes_l2
+
+            prefetch_bytes_l2(*found)
 
     def forward_extend(self, q, k, v, layer: AttentionLayer, batch: "ForwardBatch", save_kv_cache: bool = True) -> torch.Tensor:
         """``q: [T, Hq, D]`` ragged by ``batch.qo_indptr`` -> ``[T, Hq, Dv]``.

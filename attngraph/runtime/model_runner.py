@@ -298,6 +298,12 @@ class ModelRunner:
 
         self.backend = create_attention_backend(self.config, spec=self.spec)
         self.backend.set_layer_kinds([s.as_layer() for s in sites])
+        if self.config.l2_prefetch_mlp_bytes:
+            decode = getattr(self.backend, "decode_backend", self.backend)
+            if hasattr(decode, "set_decode_prefetch"):
+                from .mlp_prefetch import mlp_prefetch_source
+
+                decode.set_decode_prefetch(mlp_prefetch_source(self.model, g.num_layers, self.config.l2_prefetch_mlp_bytes))
         self.verify_backend = self.backend
         verify = self.config.verify_attention_backend
         if verify is not None:
