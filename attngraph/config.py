@@ -160,7 +160,11 @@ class CompileConfig:
         before each layer's decode attention, ask L2 for the first this many bytes of the
         layer's MLP input weight (a gated MLP's fused gate/up rows; `runtime.mlp_prefetch`),
         so memory left idle by the latency-bound kernels of attention streams the weight the
-        next GEMM reads. One small launch per layer; a hint that changes no result. 0: off.
+        next GEMM reads. One small launch per layer; a hint that changes no result. 0 (off)
+        by default: on an H200 it made decode slower (1B batch 1: 1.038 ms with 32 MiB and
+        1.050 with 16 MiB against 0.967-0.996 without; 8B batch 1: 4.593 against 4.432;
+        ``benchmarks/bench_generate.py --l2-prefetch-mlp``,
+        ``benchmarks/results/generate_l2_prefetch_mlp_h200_2026-12-05.json``).
     debug_dump_dir:
         Folder for FX graph dumps before/after each pass. The environment variable
         ``ATTNGRAPH_DEBUG=1`` turns dumps on with a temporary folder named in the log.

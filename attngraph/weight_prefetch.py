@@ -19,7 +19,8 @@ for.
 (``cp.async.bulk.prefetch.L2``, no registers held): the Triton backend issues it before a
 layer's decode attention for the layer's feed-forward weight
 (`CompileConfig.l2_prefetch_mlp_bytes`), so memory otherwise idle during attention streams
-weights the GEMM after it would read.
+weights the GEMM after it would read. Off by default too: slower on an H200 (1B batch 1: 1.038
+against 0.967-0.996 ms; `CompileConfig.l2_prefetch_mlp_bytes` gives the numbers).
 
 `ENABLED` (``ATTNGRAPH_WEIGHT_PREFETCH=1``) is off by default: on an H200 it made the
 Llama-3.2-1B-shaped decode step slower (batch 1: 1.067 against 0.978 ms; batch 16: 1.238
