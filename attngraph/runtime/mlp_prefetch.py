@@ -16,8 +16,8 @@ layers cannot be matched to the attention layers one to one, and mixture-of-expe
 
 Measured on an H200 it does not pay: the decode step's GPU busy time grew by 0.06-0.07 ms at
 1B batch 1 with 16 or 32 MiB per layer, and by 0.17 ms at 8B (`CompileConfig`'s docstring has
-the numbers), so the streamed bytes cost the kernels during attention more than the GEMM after
-it gains. Hence off by default.
+the numbers): most likely the streamed bytes cost the kernels during attention more than the
+GEMM after it gains. Hence off by default.
 """
 
 from __future__ import annotations
