@@ -322,7 +322,8 @@ class TritonBackend(AttentionBackend):
         (`weight_prefetch.prefetch_bytes_l2`, one launch; a hint that changes no result), or
         None for nothing. The runtime passes its MLP weights (`runtime.mlp_prefetch`) when
         `CompileConfig.l2_prefetch_mlp_bytes` is set; ``source`` is asked once per layer, at
-        the first decode launch (CUDA graphs keep the launch they captured). None: off."""
+        the first decode launch (CUDA graphs keep the launch they captured). A tensor on
+        another device than the decode's is skipped. None: off."""
         self._prefetch_source = source
         self._prefetch_ranges = {}
 
@@ -333,7 +334,7 @@ class TritonBackend(AttentionBackend):
         if layer_id not in self._prefetch_ranges:
             self._prefetch_ranges[layer_id] = source(layer_id)
         found = self._prefetch_ranges[layer_id]
-        if found is not None:
+        if found is not None and found[0].device == device:  # a weight on another GPU: not this stream's to ask
             from ..weight_prefetch import prefetch_bytes_l2
 
             prefetch_bytes_l2(*found)

@@ -80,9 +80,14 @@ def first_weight_range(mlp: nn.Module) -> tuple[torch.Tensor, int] | None:
 def mlp_prefetch_source(model: nn.Module, num_layers: int, nbytes: int) -> Callable[[int], tuple[torch.Tensor, int] | None]:
     """``layer_id -> (weight, bytes) or None``: the first ``nbytes`` bytes (at most) of
     attention layer ``layer_id``'s MLP input weight (`first_weight_range`), looked up when
-    asked, since `passes.fuse_linears` moves the weights while the model compiles."""
+    asked, since `passes.fuse_linears` moves the weights while the model compiles (the layer
+    list, which fusion leaves in place, is found once)."""
+    found_layers: list[nn.ModuleList | None] = []
+
     def source(layer_id: int) -> tuple[torch.Tensor, int] | None:
-        layers = decoder_layers(model, num_layers)
+        if not found_layers:
+            found_layers.append(decoder_layers(model, num_layers))
+        layers = found_layers[0]
         if layers is None or not 0 <= layer_id < len(layers):
             return None
         found = first_weight_range(mlp_of(layers[layer_id]))

@@ -69,6 +69,19 @@ def test_experts_and_mismatched_layer_counts_get_no_prefetch():
     assert first_weight_range(nn.Sequential(nn.ReLU())) is None
 
 
+def test_the_source_finds_the_layer_list_once(monkeypatch):
+    from attngraph.runtime import mlp_prefetch
+
+    model = tiny_llama()
+    walks = []
+    real = mlp_prefetch.decoder_layers
+    monkeypatch.setattr(mlp_prefetch, "decoder_layers", lambda *a: walks.append(a) or real(*a))
+    source = mlp_prefetch_source(model, 3, nbytes=1 << 20)
+    got = [source(i) for i in range(3)]
+    assert len(walks) == 1
+    assert [w is model.model.layers[i].mlp.gate_proj.weight for i, (w, _) in enumerate(got)] == [True] * 3
+
+
 def test_config_checks_the_byte_count():
     assert CompileConfig(l2_prefetch_mlp_bytes=1 << 25).l2_prefetch_mlp_bytes == 1 << 25
     for bad in (-1, True, 1.5, "32MB"):
