@@ -147,6 +147,12 @@ class CompileConfig:
         1.184), and the 8B shape slower at both
         (``benchmarks/bench_generate.py --fold-rope on,off``,
         ``benchmarks/results/generate_switches_h200_2026-12-05.json``).
+    fold_rope_linear:
+        With `fold_rope` (required): where q and k are the first output columns of one
+        attngraph projection (a fused q/k/v), the rotation moves on from the attention op into
+        that projection (`passes.fold_rope_linear`): the decode step's GEMV rotates the
+        columns in its epilogue, so the attention kernel reads q and k rotated and no launch
+        is spent on the rotation; other row counts rotate them after the GEMM in one launch.
     absorb_mla:
         Paged runtime: multi-head latent attention (DeepSeek V2/V3 and kin) attends over its
         latent plus RoPE key, one KV head of ``kv_lora_rank + qk_rope_head_dim`` values per
@@ -199,6 +205,7 @@ class CompileConfig:
     skinny_linears: bool | None = None
     fold_rms_norm: bool = True
     fold_rope: bool = False
+    fold_rope_linear: bool = False
     absorb_mla: bool = True
     l2_prefetch_mlp_bytes: int = 0
     debug_dump_dir: str | None = None
@@ -242,9 +249,13 @@ class CompileConfig:
             object.__setattr__(self, fname, tuple(sorted(set(sizes))))
         if self.skinny_linears is not None and not isinstance(self.skinny_linears, bool):
             raise ConfigError(f"skinny_linears must be None (on for CUDA), True or False, got {self.skinny_linears!r}")
-        for fname in ("lower_attention", "deterministic", "fuse_linears", "fold_rms_norm", "fold_rope", "absorb_mla"):
+        for fname in ("lower_attention", "deterministic", "fuse_linears", "fold_rms_norm", "fold_rope", "fold_rope_linear",
+                      "absorb_mla"):  # fmt: skip
             if not isinstance(getattr(self, fname), bool):  # "no" would read as True
                 raise ConfigError(f"{fname} must be True or False, got {getattr(self, fname)!r}")
+        if self.fold_rope_linear and not self.fold_rope:
+            raise ConfigError("fold_rope_linear moves the rotation fold_rope gave the attention op on into the projection: "
+                              "set fold_rope=True with it")  # fmt: skip
         _check_int(self.page_size, "page_size", 1)
         _check_int(self.l2_prefetch_mlp_bytes, "l2_prefetch_mlp_bytes", 0)
         _check_int(self.max_requests, "max_requests", 1)

@@ -223,6 +223,52 @@ def _check_halves(a: torch.Tensor, b: torch.Tensor) -> None:
         raise InputError("silu_mul_linear: a and b must have at least one dimension (features last); got scalars")
 
 
+def _check_rope(what: str, x: torch.Tensor, n: int, rope_cos: torch.Tensor | None, rope_sin: torch.Tensor | None,
+                rope_cols: int) -> bool:  # fmt: skip
+    """Refuse a rotation no path applies; True when one is asked for. ``rope_cos``,
+    ``rope_sin``: ``[rows, D]`` (one per row of x flattened; not compared under symbolic sizes)
+    of x's dtype and device, ``D`` even, dividing ``0 < rope_cols <= N``."""
+    if rope_cos is None and rope_sin is None and rope_cols == 0:
+        return False
+    if rope_cos is None or rope_sin is None:
+        raise InputError(f"{what}: rope_cos and rope_sin go together")
+    d = rope_cos.shape[-1] if rope_cos.dim() == 2 else 0
+    for name, t in (("rope_cos", rope_cos), ("rope_sin", rope_sin)):
+        if t.dim() != 2 or t.dtype != x.dtype or t.device != x.device or (_static(d, t.shape[1]) and t.shape[1] != d):
+            raise InputError(f"{what}: {name} must be a {x.dtype} [rows, D] tensor on {x.device} with the other's D; got "
+                             f"{t.dtype} {tuple(t.shape)} on {t.device}")  # fmt: skip
+    if _static(d, n) and (d < 2 or d % 2 or not 0 < rope_cols <= n or rope_cols % d):
+        raise InputError(f"{what}: rope_cols must be a positive multiple of the even head dim {d} within the {n} output "
+                         f"columns; got {rope_cols}")  # fmt: skip
+    return True
+
+
+def _check_rope_rows(what: str, rope_cos: torch.Tensor, rope_sin: torch.Tensor, m: int) -> None:
+    """The rotation's rows against the ``m`` rows of x (when the op runs)."""
+    if rope_cos.shape[0] != m or rope_sin.shape[0] != m:
+        raise InputError(f"{what}: rope_cos / rope_sin hold {rope_cos.shape[0]} / {rope_sin.shape[0]} rows for {m} rows of x")
+
+
+def _static(*sizes) -> bool:
+    """Whether every size is a plain int (symbolic ones, under a trace, are checked when the op runs)."""
+    return all(isinstance(s, int) for s in sizes)
+
+
+def _rotate_columns(y: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, rope_cols: int, real: int) -> torch.Tensor:
+    """``y: [..., N]`` (a fresh output) with the first ``real`` rows' first ``rope_cols`` columns,
+    heads of ``D``, rotated in place by HF's rotate-half RoPE (row ``r`` by ``rope_cos[r]``,
+    ``rope_sin[r]``; `attngraph.rope`: fp32, rounded once). Returns ``y``."""
+    n, d = y.shape[-1], rope_cos.shape[-1]
+    m = y.numel() // n if n else 0
+    if not real:
+        return y
+    heads = y.view(m, n)[:real, :rope_cols].unflatten(1, (rope_cols // d, d))  # [real, H, D] view
+    from .rope import rope_columns_
+
+    rope_columns_(heads, rope_cos[:real], rope_sin[:real])
+    return y
+
+
 def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``silu(a) * b`` computed in fp32 and rounded once to ``a``'s dtype (the kernel's and an
     inductor-fused producer's rounding; eager rounds twice): one Triton launch where the
@@ -234,21 +280,39 @@ def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (F.silu(a.float()) * b.float()).to(a.dtype)
 
 
-def linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, rows: int = ANY_ROWS) -> torch.Tensor:
+def _rope_fits(rope: bool, rope_cos: torch.Tensor | None, rope_sin: torch.Tensor | None) -> bool:
+    """Whether the GEMV can rotate in its epilogue (unit stride along D)."""
+    return not rope or (rope_cos.stride(-1) == 1 and rope_sin.stride(-1) == 1) or rope_cos.shape[-1] <= 1
+
+
+def linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, rows: int = ANY_ROWS,
+                rope_cos: Optional[torch.Tensor] = None, rope_sin: Optional[torch.Tensor] = None,
+                rope_cols: int = 0) -> torch.Tensor:  # fmt: skip
     """``F.linear(x, weight, bias)``: ``x: [..., K]``, ``weight: [N, K]``, ``bias: [N]`` or None
     -> ``[..., N]`` (a new tensor), by the skinny Triton kernel where it serves (see the module).
     ``rows``: what x's rows are (`ANY_ROWS`...); on the kernel's path a padded step's padding
-    rows of the output are left unwritten."""
+    rows of the output are left unwritten.
+
+    ``rope_cos``, ``rope_sin``: ``[rows of x, D]``; with them the first ``rope_cols`` output
+    columns (heads of ``D``: q and k of a fused projection) leave rotated by HF's rotate-half
+    RoPE (`passes.fold_rope_linear`): in the GEMV's epilogue, else by one more launch
+    (`attngraph.rope.rope_columns_`)."""
     k = x.shape[-1] if x.dim() else 0
     n = _check_linear("linear", x, weight, k)
     _check_bias(bias, n, x)
+    rope = _check_rope("linear", x, n, rope_cos, rope_sin, rope_cols)
     m = x.numel() // k if k else 0
+    if rope:
+        _check_rope_rows("linear", rope_cos, rope_sin, m)
     real = real_rows(rows, m)
-    if not _use_kernel(real, k, x, weight) or (bias is not None and bias.stride(0) != 1 and n > 1):
-        return _project(x, weight, bias, real)
+    if not _use_kernel(real, k, x, weight) or (bias is not None and bias.stride(0) != 1 and n > 1) \
+            or not _rope_fits(rope, rope_cos, rope_sin):  # fmt: skip
+        y = _project(x, weight, bias, real)
+        return _rotate_columns(y, rope_cos, rope_sin, rope_cols, real) if rope else y
     # [m, K]: a view of a row-strided x (unit stride along K kept), a copy when none exists
     y = x.new_empty((m, n))
-    _kernels().skinny_linear(x.reshape(m, k)[:real], weight, bias, out=y[:real])
+    _kernels().skinny_linear(x.reshape(m, k)[:real], weight, bias, out=y[:real], rope_cos=rope_cos, rope_sin=rope_sin,
+                             rope_cols=rope_cols)  # fmt: skip
     return y.view(*x.shape[:-1], n)
 
 
@@ -305,30 +369,39 @@ def _check_norm(what: str, x: torch.Tensor, residual: torch.Tensor | None, norm_
                          f"{norm_weight.dtype} {tuple(norm_weight.shape)} on {norm_weight.device}")  # fmt: skip
 
 
-def _norm_linear(x, residual, norm_weight, eps, weight, bias, rows) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(F.linear(rms_norm(h), weight, bias), h)``, ``h = x (+ residual)`` (None without one)."""
+def _norm_linear(x, residual, norm_weight, eps, weight, bias, rows, rope_cos=None, rope_sin=None,
+                 rope_cols=0) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """``(F.linear(rms_norm(h), weight, bias), h)``, ``h = x (+ residual)`` (None without one),
+    the first ``rope_cols`` columns rotated where ``rope_cos`` is given (`linear_impl`)."""
     what = "rms_norm_linear" if residual is None else "add_rms_norm_linear"
     _check_norm(what, x, residual, norm_weight)
     k = x.shape[-1]
     n = _check_linear(what, x, weight, k)
     _check_bias(bias, n, x)
+    rope = _check_rope(what, x, n, rope_cos, rope_sin, rope_cols)
     m = x.numel() // k if k else 0
+    if rope:
+        _check_rope_rows(what, rope_cos, rope_sin, m)
     real = real_rows(rows, m)
     plain = (residual is None or k <= 1 or residual.stride(-1) == 1) and (bias is None or n <= 1 or bias.stride(0) == 1)
     fold = None  # a kernel with the norm folded into its loads: the GEMV, or on tensor cores
     if plain and norm_weight.is_contiguous():
-        if _use_kernel(real, k, x, weight):
+        if _use_kernel(real, k, x, weight) and _rope_fits(rope, rope_cos, rope_sin):
             fold = _kernels().skinny_rms_norm_linear
         elif DOT_FOLD_NORM and _use_dot(real, k, x, weight):
             fold = _dot_kernels().skinny_dot_rms_norm_linear
     if fold is not None:
         y = x.new_empty((m, n))
         h = x.new_empty((m, k)) if residual is not None else None
+        in_kernel = rope and fold is _kernels().skinny_rms_norm_linear  # the GEMV rotates in its epilogue
+        extra = dict(rope_cos=rope_cos, rope_sin=rope_sin, rope_cols=rope_cols) if in_kernel else {}
         fold(
             x.reshape(m, k)[:real], norm_weight, eps, weight, bias,
             residual=None if residual is None else residual.reshape(m, k)[:real],
-            out=y[:real], h_out=None if h is None else h[:real],
+            out=y[:real], h_out=None if h is None else h[:real], **extra,
         )  # fmt: skip
+        if rope and not in_kernel:
+            _rotate_columns(y, rope_cos, rope_sin, rope_cols, real)
         return y.view(*x.shape[:-1], n), None if h is None else h.view(x.shape)
     if m and _norm_kernel_serves(x, norm_weight) and (residual is None or residual.stride(-1) == 1 or k == 1):
         normed, h = _norm_kernel().add_rms_norm(x.reshape(m, k), norm_weight, eps, None if residual is None else residual.reshape(m, k))
@@ -336,28 +409,33 @@ def _norm_linear(x, residual, norm_weight, eps, weight, bias, rows) -> tuple[tor
     else:
         h = x + residual if residual is not None else None
         normed = _rms_norm_torch(x if h is None else h, norm_weight, eps)
-    return _project(normed, weight, bias, real), h
+    y = _project(normed, weight, bias, real)
+    return (_rotate_columns(y, rope_cos, rope_sin, rope_cols, real) if rope else y), h
 
 
 def rms_norm_linear_impl(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                         bias: Optional[torch.Tensor] = None, rows: int = ANY_ROWS) -> torch.Tensor:  # fmt: skip
+                         bias: Optional[torch.Tensor] = None, rows: int = ANY_ROWS,
+                         rope_cos: Optional[torch.Tensor] = None, rope_sin: Optional[torch.Tensor] = None,
+                         rope_cols: int = 0) -> torch.Tensor:  # fmt: skip
     """``F.linear(norm_weight * rmsnorm(x), weight, bias)`` with HF's RMSNorm (``eps``; fp32
     statistics, the normed row and its product with ``norm_weight`` rounded to x's dtype):
     ``x: [..., K]``, ``norm_weight: [K]``, ``weight: [N, K]``, ``bias: [N]`` or None ->
     ``[..., N]``. The GEMV folds the norm into its loads where it serves; elsewhere one
     RMSNorm launch (`attngraph.rms_norm`, on CUDA) or torch's ops, then ``F.linear``.
-    ``rows``: as for `linear_impl`."""
-    return _norm_linear(x, None, norm_weight, eps, weight, bias, rows)[0]
+    ``rows``, ``rope_cos``, ``rope_sin``, ``rope_cols``: as for `linear_impl`."""
+    return _norm_linear(x, None, norm_weight, eps, weight, bias, rows, rope_cos, rope_sin, rope_cols)[0]
 
 
 def add_rms_norm_linear_impl(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                              weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                             rows: int = ANY_ROWS) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                             rows: int = ANY_ROWS, rope_cos: Optional[torch.Tensor] = None,
+                             rope_sin: Optional[torch.Tensor] = None,
+                             rope_cols: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(F.linear(norm_weight * rmsnorm(h), weight, bias), h)`` with ``h = x + residual``
     (rounded to x's dtype: the model's residual stream, which it reads again). ``x, residual:
     [..., K]``; otherwise as `rms_norm_linear_impl`. On the GEMV's path one program writes
     ``h`` (the real rows; a padded step's padding rows of both outputs are left unwritten)."""
-    y, h = _norm_linear(x, residual, norm_weight, eps, weight, bias, rows)
+    y, h = _norm_linear(x, residual, norm_weight, eps, weight, bias, rows, rope_cos, rope_sin, rope_cols)
     return y, h
 
 
@@ -374,25 +452,28 @@ add_rms_norm_linear.__doc__ = add_rms_norm_linear_impl.__doc__
 
 
 @rms_norm_linear.register_fake
-def _(x, norm_weight, eps, weight, bias=None, rows=ANY_ROWS):
+def _(x, norm_weight, eps, weight, bias=None, rows=ANY_ROWS, rope_cos=None, rope_sin=None, rope_cols=0):
     _check_norm("rms_norm_linear", x, None, norm_weight)
     n = _check_linear("rms_norm_linear", x, weight, x.shape[-1])
     _check_bias(bias, n, x)
+    _check_rope("rms_norm_linear", x, n, rope_cos, rope_sin, rope_cols)
     return x.new_empty((*x.shape[:-1], n))
 
 
 @add_rms_norm_linear.register_fake
-def _(x, residual, norm_weight, eps, weight, bias=None, rows=ANY_ROWS):
+def _(x, residual, norm_weight, eps, weight, bias=None, rows=ANY_ROWS, rope_cos=None, rope_sin=None, rope_cols=0):
     _check_norm("add_rms_norm_linear", x, residual, norm_weight)
     n = _check_linear("add_rms_norm_linear", x, weight, x.shape[-1])
     _check_bias(bias, n, x)
+    _check_rope("add_rms_norm_linear", x, n, rope_cos, rope_sin, rope_cols)
     return x.new_empty((*x.shape[:-1], n)), x.new_empty(x.shape)
 
 
 @linear.register_fake
-def _(x, weight, bias=None, rows=ANY_ROWS):
+def _(x, weight, bias=None, rows=ANY_ROWS, rope_cos=None, rope_sin=None, rope_cols=0):
     n = _check_linear("linear", x, weight, x.shape[-1] if x.dim() else 0)
     _check_bias(bias, n, x)
+    _check_rope("linear", x, n, rope_cos, rope_sin, rope_cols)
     return x.new_empty((*x.shape[:-1], n))
 
 

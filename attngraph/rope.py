@@ -17,7 +17,7 @@ import torch
 
 from .errors import InputError
 
-__all__ = ["apply_rope", "check_rope", "rope_reference"]
+__all__ = ["apply_rope", "check_rope", "rope_columns_", "rope_reference"]
 
 
 def check_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -60,3 +60,16 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
 
         return rope_qk(q, k, cos, sin)
     return rope_reference(q, cos, sin), rope_reference(k, cos, sin)
+
+
+def rope_columns_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x: [T, H, D]`` rotated in place by ``cos, sin: [T, D]`` (a view into a projection's
+    output, unit stride along D): one Triton launch on CUDA (16-bit), torch's ops elsewhere
+    (the values of `rope_reference`). Returns ``x``."""
+    check_rope(x, x[:, :0], cos, sin)
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] and x.stride(-1) == 1:
+        from .rope_kernel import rope_inplace
+
+        return rope_inplace(x, cos, sin)
+    x.copy_(rope_reference(x, cos, sin))
+    return x

@@ -151,13 +151,55 @@ def _rms_rstd(x_rows, x2_rows, h_rows, K, eps, mask_m, h_count, ROWS: tl.constex
 
 
 @triton.jit
+def _rope_columns(base, offs_n, in_rope, BLOCK_N: tl.constexpr, ROPE_D: tl.constexpr):
+    """A rotated column block's ``(columns, dims)`` ``[BLOCK_N]``: the program starting at column
+    ``base`` (a multiple of ``BLOCK_N``, which divides ``ROPE_D``) of a head of ``ROPE_D``
+    columns takes ``BLOCK_N / 2`` dims of the head's first half and their partners ``ROPE_D / 2``
+    further: ``dims`` ``[i0, i0 + BLOCK_N/2)`` then ``[i0 + ROPE_D/2, ...)``, ``i0 =
+    (base % ROPE_D) / 2``, so a column's rotate-half partner sits in the same program, half a
+    block away. Outside the rotated columns (``in_rope`` false) the block is ``offs_n``."""
+    idx = tl.arange(0, BLOCK_N)
+    half = BLOCK_N // 2
+    dims = (idx // half) * (ROPE_D // 2) + (base % ROPE_D) // 2 + idx % half
+    return tl.where(in_rope, base - base % ROPE_D + dims, offs_n), dims
+
+
+@triton.jit
+def _rope_rows(Cos, Sin, rows, mask_m, dims, in_rope, stride_cm, stride_sm):
+    """The rows' ``cos`` and ``sin`` at a block's ``dims`` as fp32 ``[ROWS, BLOCK_N]`` (zeros
+    outside the rotated columns)."""
+    # [ROWS, BLOCK_N], built at full shape from the scalar (Triton's interpreter takes no broadcast mask)
+    mask = mask_m[:, None] & ((dims * 0 + in_rope.to(tl.int32)) != 0)[None, :]
+    c = tl.load(Cos + rows.to(tl.int64)[:, None] * stride_cm + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(Sin + rows.to(tl.int64)[:, None] * stride_sm + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+    return c, s
+
+
+@triton.jit
+def _output(res, c, s, in_rope, DTYPE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+            ROPE: tl.constexpr, SOFT_BF16: tl.constexpr):  # fmt: skip
+    """The ``[ROWS, BLOCK_N]`` fp32 sums as stored: rounded to ``DTYPE``; in a rotated block
+    (``ROPE`` and ``in_rope``, columns laid out by `_rope_columns`) then rotated by HF's
+    ``x * cos + rotate_half(x) * sin`` in fp32 and rounded once more (the projection's output
+    as the model would have written it, rotated as `attngraph.rope` rotates it)."""
+    y = _round(res, DTYPE, SOFT_BF16)
+    if ROPE:
+        x = y.to(tl.float32)
+        partner = tl.reshape(tl.flip(tl.reshape(x, [ROWS, 2, BLOCK_N // 2]), 1), [ROWS, BLOCK_N])
+        sign = tl.where(tl.arange(0, BLOCK_N) < BLOCK_N // 2, -1.0, 1.0)
+        y = tl.where(in_rope, _round(x * c + sign[None, :] * partner * s, DTYPE, SOFT_BF16), y)
+    return y
+
+
+@triton.jit
 def _skinny_linear_kernel(
-    X, X2, W, Bias, Y, Part, Counters, NW, H,
-    M, N, K, k_per_split, eps,
-    stride_xm, stride_x2m, stride_wn, stride_ym, stride_hm,
+    X, X2, W, Bias, Y, Part, Counters, NW, H, Cos, Sin,
+    M, N, K, k_per_split, eps, rope_cols,
+    stride_xm, stride_x2m, stride_wn, stride_ym, stride_hm, stride_cm, stride_sm,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
     SOFT_BF16: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr,
+    ROPE: tl.constexpr, ROPE_D: tl.constexpr,
 ):  # fmt: skip
     """``Y[:M] = h @ W^T (+ Bias)`` with ``h = X``; with ``SILU_MUL``, ``h = silu(X) * X2``
     (fp32, rounded to X's dtype); with ``NORM``, ``h = NW * rmsnorm(X)`` (HF's RMSNorm, ``eps``)
@@ -169,12 +211,22 @@ def _skinny_linear_kernel(
     of ``BLOCK_K``, so no chunk straddles two splits. ``SOFT_BF16``: round to bf16 by integer
     arithmetic (under Triton's interpreter, whose own conversion truncates). ``PREFETCH`` (with
     ``USE_PDL``): the rest of the program's weight range is asked into L2 before the wait
-    (`attngraph.weight_prefetch`, ``LINE`` elements per line)."""
+    (`attngraph.weight_prefetch`, ``LINE`` elements per line). ``ROPE``: columns
+    ``[0, rope_cols)`` are heads of ``ROPE_D`` that leave rotated by HF's rotate-half RoPE with
+    row ``r``'s ``Cos[r]``, ``Sin[r]`` (``[ROPE_D]``, rows ``stride_cm`` / ``stride_sm`` apart)."""
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns = weight rows
-    mask_n = offs_n < N
     rows = tl.arange(0, ROWS)  # [ROWS], the first M real
     mask_m = rows < M
+    in_rope = pid_n * BLOCK_N < rope_cols  # rope_cols = 0 without ROPE
+    dims = offs_n  # placeholder without ROPE (never read)
+    if ROPE:  # a head's rotate-half partners in one program
+        offs_n, dims = _rope_columns(pid_n * BLOCK_N, offs_n, in_rope, BLOCK_N, ROPE_D)
+    mask_n = offs_n < N
+    rope_c = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)  # the rows' cos / sin (ROPE only)
+    rope_s = rope_c
+    if ROPE and not USE_PDL:
+        rope_c, rope_s = _rope_rows(Cos, Sin, rows, mask_m, dims, in_rope, stride_cm, stride_sm)
     # int64 row offsets: the LM heads here (128256 x 4096: 5.3e8 elements) stay below 2^31, a
     # larger vocabulary or hidden size (256K x 8192) does not
     w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
@@ -202,6 +254,8 @@ def _skinny_linear_kernel(
             prefetch_rows_l2(W, offs_n, N, stride_wn, k_lo + BLOCK_K, k_hi, BLOCK_N, BLOCK_K, LINE)
         gdc_wait()
         gdc_launch_dependents()
+        if ROPE:  # cos and sin come from a kernel of this step: read after the wait
+            rope_c, rope_s = _rope_rows(Cos, Sin, rows, mask_m, dims, in_rope, stride_cm, stride_sm)
         if NORM:  # the row statistics need all of x: every program reads it once (from L2)
             h_count = tl.where((pid_n == 0) & (tl.program_id(1) == 0), M, 0)
             rstd = _rms_rstd(x_rows, x2_rows, h_rows, K, eps, mask_m, h_count, ROWS, BLOCK_K, RESIDUAL, DTYPE, SOFT_BF16)
@@ -227,7 +281,8 @@ def _skinny_linear_kernel(
     if SPLIT_K == 1:
         if HAS_BIAS:
             res += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptrs, _round(res, Y.dtype.element_ty, SOFT_BF16), mask=y_mask)
+        tl.store(y_ptrs, _output(res, rope_c, rope_s, in_rope, Y.dtype.element_ty, ROWS, BLOCK_N, ROPE, SOFT_BF16),
+                 mask=y_mask)  # fmt: skip
     else:
         # This split's partials, then the column block's last program to count sums them.
         part_cols = Part + rows[:, None] * N + offs_n[None, :]  # split 0's [ROWS, BLOCK_N]
@@ -244,7 +299,8 @@ def _skinny_linear_kernel(
                 total += tl.load(part_cols + s * ROWS * N, mask=y_mask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 total += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptrs, _round(total, Y.dtype.element_ty, SOFT_BF16), mask=y_mask)
+            tl.store(y_ptrs, _output(total, rope_c, rope_s, in_rope, Y.dtype.element_ty, ROWS, BLOCK_N, ROPE, SOFT_BF16),
+                     mask=y_mask)  # fmt: skip
             tl.store(Counters + pid_n, 0)  # every split has counted: ready for the next launch
 
 
@@ -420,10 +476,35 @@ def _check_rows(name: str, t: torch.Tensor, what: str) -> None:
         raise InputError(f"{what}: {name} must be contiguous in its last dimension; got strides {tuple(t.stride())}")
 
 
-def _launch(x, x2, weight, bias, out, config, silu_mul: bool, norm_weight=None, eps: float = 0.0, h_out=None) -> torch.Tensor:
+def check_rope_columns(what: str, x: torch.Tensor, n: int, rope_cos: torch.Tensor | None, rope_sin: torch.Tensor | None,
+                       rope_cols: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:  # fmt: skip
+    """The rotation of a projection's first ``rope_cols`` output columns, validated against
+    ``x: [M, K]`` and ``n`` columns: ``rope_cos``, ``rope_sin`` ``[>= M, D]`` in x's dtype on its
+    device, unit stride along an even ``D`` that divides ``rope_cols <= n``. Returns ``(cos,
+    sin, rope_cols)``, or None without a rotation (no tensors and ``rope_cols = 0``)."""
+    if rope_cos is None and rope_sin is None and not rope_cols:
+        return None
+    if rope_cos is None or rope_sin is None:
+        raise InputError(f"{what}: rope_cos and rope_sin go together")
+    d = rope_cos.shape[-1] if rope_cos.dim() == 2 else 0
+    for name, t in (("rope_cos", rope_cos), ("rope_sin", rope_sin)):
+        if t.dim() != 2 or t.shape[0] < x.shape[0] or t.shape[1] != d or t.dtype != x.dtype or t.device != x.device or (
+            d > 1 and t.stride(1) != 1
+        ):
+            raise InputError(f"{what}: {name} must be a {x.dtype} [>= {x.shape[0]}, D] tensor on {x.device} with the other's D, "
+                             f"unit stride along D; got {t.dtype} {tuple(t.shape)} on {t.device}")  # fmt: skip
+    if d < 2 or d % 2 or isinstance(rope_cols, bool) or not isinstance(rope_cols, int) or not 0 < rope_cols <= n \
+            or rope_cols % d:  # fmt: skip
+        raise InputError(f"{what}: rope_cols must be a positive multiple of the even head dim {d} within the {n} "
+                         f"output columns; got {rope_cols!r}")  # fmt: skip
+    return rope_cos, rope_sin, rope_cols
+
+
+def _launch(x, x2, weight, bias, out, config, silu_mul: bool, norm_weight=None, eps: float = 0.0, h_out=None,
+            rope=None) -> torch.Tensor:  # fmt: skip
     """Launch the kernel for validated operands (``x``, ``x2``: ``[M, K]``; ``out``: ``[M, N]``;
     with ``norm_weight`` ``[K]`` the RMSNorm prologue, of ``x + x2`` into ``h_out`` when ``x2``
-    is given)."""
+    is given; with ``rope`` = `check_rope_columns`'s result the rotation of the first columns)."""
     m, k = x.shape
     n = weight.shape[0]
     norm = norm_weight is not None
@@ -434,6 +515,10 @@ def _launch(x, x2, weight, bias, out, config, silu_mul: bool, norm_weight=None, 
         return out
     cfg = default_config(m, n, k, silu_mul=silu_mul, norm=norm) if config is None else _check_config(config)
     block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    rope_cos, rope_sin, rope_cols = rope if rope is not None else (x, x, 0)  # tensors read with ROPE only
+    rope_d = rope_cos.shape[1] if rope is not None else 2
+    if rope is not None:  # a column block holds whole pairs of one head: 2 <= BLOCK_N, dividing D
+        block_n = max(2, min(block_n, rope_d & -rope_d))
     blocks = triton.cdiv(n, block_n)
     split_k, k_per_split, counters = split_plan(k, cfg["SPLIT_K"], block_k, blocks, x.device)
     part = counters = out if counters is None else counters  # part and counters: read with split-K only
@@ -448,12 +533,15 @@ def _launch(x, x2, weight, bias, out, config, silu_mul: bool, norm_weight=None, 
     guard = torch.cuda.device(x.device) if x.is_cuda and x.device.index != torch.cuda.current_device() else nullcontext()
     with guard:
         _skinny_linear_kernel[(blocks, split_k)](
-            x, x2, weight, bias if bias is not None else weight, out, part, counters, norm_weight, h_out,
-            m, n, k, k_per_split, float(eps), x.stride(0), x2.stride(0), weight.stride(0), out.stride(0), h_out.stride(0),
+            x, x2, weight, bias if bias is not None else weight, out, part, counters, norm_weight, h_out, rope_cos, rope_sin,
+            m, n, k, k_per_split, float(eps), rope_cols,
+            x.stride(0), x2.stride(0), weight.stride(0), out.stride(0), h_out.stride(0), rope_cos.stride(0),
+            rope_sin.stride(0),
             ROWS=rows_padded(m), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
             HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm, RESIDUAL=residual,
             SOFT_BF16=x.dtype == torch.bfloat16 and interpreting(),
             USE_PDL=use_pdl, PREFETCH=prefetch, LINE=min(weight_prefetch.line_elements(weight), block_k),
+            ROPE=rope is not None, ROPE_D=rope_d,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch_options(use_pdl),
         )  # fmt: skip
     return out
@@ -466,6 +554,9 @@ def skinny_linear(
     *,
     out: torch.Tensor | None = None,
     config: dict | None = None,
+    rope_cos: torch.Tensor | None = None,
+    rope_sin: torch.Tensor | None = None,
+    rope_cols: int = 0,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a few rows: ``x: [M, K]`` (``M <= MAX_ROWS``; rows any
     stride apart, unit stride along K), ``weight: [N, K]`` contiguous, ``bias: [N]`` or None
@@ -474,6 +565,10 @@ def skinny_linear(
 
     ``out``: an ``[M, N]`` tensor to write (unit stride along N); None: a new one.
     ``config``: a `default_config`-style dict overriding the heuristic (benchmark sweeps).
+    ``rope_cos``, ``rope_sin``: ``[>= M, D]``; with them the first ``rope_cols`` output
+    columns (heads of ``D``: a fused projection's q and k) leave rotated by HF's rotate-half
+    RoPE, row ``r`` by ``cos[r]``, ``sin[r]``: ``y * cos + rotate_half(y) * sin`` on the
+    rounded output ``y``, in fp32, rounded once (`attngraph.rope.rope_reference`).
     """
     what = "skinny_linear"
     _check_rows("x", x, what)
@@ -481,8 +576,9 @@ def skinny_linear(
     if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype != x.dtype or bias.device != x.device
                              or (n > 1 and bias.stride(0) != 1)):  # fmt: skip
         raise InputError(f"{what}: bias must be a contiguous {x.dtype} [{n}] on {x.device}; got {bias.dtype} {tuple(bias.shape)}")
+    rope = check_rope_columns(what, x, n, rope_cos, rope_sin, rope_cols)
     out = _check_out(out, x, x.shape[0], n)
-    return _launch(x, None, weight, bias, out, config, silu_mul=False)
+    return _launch(x, None, weight, bias, out, config, silu_mul=False, rope=rope)
 
 
 def skinny_silu_mul_linear(
@@ -524,6 +620,9 @@ def skinny_rms_norm_linear(
     out: torch.Tensor | None = None,
     h_out: torch.Tensor | None = None,
     config: dict | None = None,
+    rope_cos: torch.Tensor | None = None,
+    rope_sin: torch.Tensor | None = None,
+    rope_cols: int = 0,
 ) -> torch.Tensor:
     """``F.linear(rms_norm(h), weight, bias)`` for a few rows, HF's RMSNorm folded into the
     loads: ``h = x`` or, with ``residual``, ``h = x + residual`` (rounded to x's dtype, written
@@ -533,14 +632,16 @@ def skinny_rms_norm_linear(
     ``x``, ``residual``: ``[M, K]`` (``M <= MAX_ROWS``; unit stride along K); ``norm_weight``:
     ``[K]`` contiguous; ``weight``: ``[N, K]`` contiguous; ``bias``: ``[N]`` or None ->
     ``[M, N]``. ``h_out``: ``[M, K]`` (a new one when None and ``residual`` is given).
-    ``out``, ``config``: as for `skinny_linear`.
+    ``out``, ``config``, ``rope_cos``, ``rope_sin``, ``rope_cols``: as for `skinny_linear`.
     """
     what = "skinny_rms_norm_linear"
     _check_rows("x", x, what)
     n = _check_weight(weight, x.shape[1], x, what)
     h_out = check_norm_operands(what, x, residual, h_out, norm_weight, bias, n)
+    rope = check_rope_columns(what, x, n, rope_cos, rope_sin, rope_cols)
     out = _check_out(out, x, x.shape[0], n)
-    return _launch(x, residual, weight, bias, out, config, silu_mul=False, norm_weight=norm_weight, eps=eps, h_out=h_out)
+    return _launch(x, residual, weight, bias, out, config, silu_mul=False, norm_weight=norm_weight, eps=eps, h_out=h_out,
+                   rope=rope)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- silu(a) * b alone

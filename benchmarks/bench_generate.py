@@ -20,7 +20,7 @@ choice on the row's own prefix).
     python benchmarks/bench_generate.py --shapes 1b --batches 1,16 --backends triton \
         --dot-fold-norm on,off --dot-min-rows 3,1   # norm in the tensor-core kernel; 1-2 rows on it
     python benchmarks/bench_generate.py --shapes 1b --batches 1,16 --backends triton \
-        --fold-rope on,off   # the rotary embedding inside the decode attention kernel, or not
+        --fold-rope on,off,linear   # the rotary embedding in the decode attention kernel, the q/k/v GEMV, or neither
     python benchmarks/bench_generate.py --shapes 1b --batches 1,16 --backends triton \
         --l2-prefetch-mlp 0,33554432   # 32 MiB of each layer's gate/up asked into L2 during attention
     python benchmarks/plot_generate.py benchmarks/results/generate.json --png benchmarks/generate.png
@@ -183,7 +183,8 @@ def main() -> None:
                         "not cuBLAS): default (the module's) and/or values, comma-separated")  # fmt: skip
     p.add_argument("--fold-rope", default="default",
                    help="CompileConfig.fold_rope (the rotary embedding into the attention op; the Triton decode kernel "
-                        "applies it): default (the config's), on and/or off, comma-separated")  # fmt: skip
+                        "applies it): default (the config's), on, off and/or linear (on with fold_rope_linear: on into "
+                        "the q/k/v projection), comma-separated")  # fmt: skip
     p.add_argument("--fold-rms-norm", default="on", help="CompileConfig.fold_rms_norm: on (the default) and/or off, comma-separated")
     p.add_argument("--pdl", default="on",
                    help="programmatic dependent launch (attngraph.pdl): on (attngraph's kernels and inductor's), ours "
@@ -206,8 +207,8 @@ def main() -> None:
         p.error(f"--dot-fold-norm takes default, on and/or off; got {', '.join(bad)}")
     if bad := [v for v in args.dot_min_rows.split(",") if v != "default" and not (v.isdigit() and 1 <= int(v) <= 16)]:
         p.error(f"--dot-min-rows takes 'default' or row counts 1-16; got {', '.join(bad)}")
-    if bad := [v for v in args.fold_rope.split(",") if v not in ("default", "on", "off")]:
-        p.error(f"--fold-rope takes default, on and/or off; got {', '.join(bad)}")
+    if bad := [v for v in args.fold_rope.split(",") if v not in ("default", "on", "off", "linear")]:
+        p.error(f"--fold-rope takes default, on, off and/or linear; got {', '.join(bad)}")
     if bad := [v for v in args.prefetch.split(",") if v not in ("default", "on", "off")]:
         p.error(f"--prefetch takes default, on and/or off; got {', '.join(bad)}")
     if bad := [v for v in args.fold_rms_norm.split(",") if v not in ("on", "off")]:
@@ -274,7 +275,7 @@ def main() -> None:
             label += "" if dmin == "default" else f" dot-min-rows={dmin}"
             label += "" if rope == "default" else f" fold-rope={rope}"
             label += "" if int(l2) == 0 else f" l2-prefetch-mlp={int(l2) >> 20}MiB"
-            rope_option = {} if rope == "default" else {"fold_rope": rope == "on"}
+            rope_option = {} if rope == "default" else {"fold_rope": rope != "off", "fold_rope_linear": rope == "linear"}
             linear_ops.DOT_FOLD_NORM = DOT_FOLD_NORM_DEFAULT if dfold == "default" else dfold == "on"
             linear_ops.DOT_MIN_ROWS = DOT_MIN_ROWS_DEFAULT if dmin == "default" else int(dmin)
             weight_prefetch.ENABLED = prefetch_default if pf == "default" else pf == "on"  # read at capture

@@ -21,6 +21,7 @@ from ..passes.site import AttentionSite
 from ..passes.fuse_linears import fuse_linears
 from ..passes.fold_rms_norm import fold_rms_norm
 from ..passes.fold_rope import fold_rope
+from ..passes.fold_rope_linear import fold_rope_linear
 from ..passes.skinny_linears import skinny_linears
 from ..passes.token_mixing import TokenMixingOp, check_token_mixing
 from ..forward_context import ForwardContext, use_forward_context
@@ -77,6 +78,7 @@ class AttnGraphBackend:
         self.skinny_results: list = []  # a passes.skinny_linears.SkinnyResult per paged graph rewritten
         self.norm_results: list = []  # a passes.fold_rms_norm.FoldNormResult per paged graph rewritten
         self.rope_results: list = []  # a passes.fold_rope.FoldRopeResult per paged graph rewritten
+        self.rope_linear_results: list = []  # a passes.fold_rope_linear.FoldRopeLinearResult per graph rewritten
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         input_names = user_input_names(gm)  # read before the passes rewrite the graph
@@ -156,6 +158,8 @@ class AttnGraphBackend:
             graph.output(graph.graph_copy(gm.graph, {}))
             gm = fx.GraphModule(gm, graph)
         self.rope_results.append(fold_rope(gm))
+        if self.config.fold_rope_linear:
+            self.rope_linear_results.append(fold_rope_linear(gm))
         return gm
 
     def _token_mixing(self, gm: fx.GraphModule) -> list[TokenMixingOp]:

@@ -134,3 +134,51 @@ def test_rotary_embedding_folded_into_attention_is_the_copy(references, monkeypa
     layers = load(name).config.num_hidden_layers
     assert results and all(len(r.folded) == layers and not r.refused for r in results)
     assert (backend == "triton") == bool(folded_decodes) and all(folded_decodes)
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "mistral_window"])
+def test_rotary_embedding_folded_into_the_projection_is_the_copy(references, name):
+    """`CompileConfig.fold_rope_linear` in fp32 on torch's paths: every layer's rotation moves
+    on from the attention op into the fused q/k/v projection op, which rotates its first
+    columns after the product (`attngraph.rope.rope_columns_`); the tokens are HF's."""
+    ids, mask, want = references(name, 3)
+    model = attngraph.accelerate(load(name), attention_backend="torch_native", page_size=16, kv_cache_tokens=2048,
+                                 skinny_linears=True, fold_rope=True, fold_rope_linear=True)  # fmt: skip
+    try:
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, **GREEDY)
+        results = state_of(model).runner.ragged.backend.rope_linear_results
+    finally:
+        attngraph.restore(model)
+    diff = (got != want).nonzero().tolist()
+    assert not diff, f"{len(diff)} tokens differ from HF's, first at [row, position] {diff[0]}"
+    layers = load(name).config.num_hidden_layers
+    assert results and all(len(r.folded) == layers and not r.refused for r in results), [r.refused for r in results]
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_bf16_rotation_in_the_gemv_epilogue_is_the_copy(monkeypatch, count):
+    """bf16, the linear ops' Triton kernels and the Triton decode kernel under the interpreter,
+    `fold_rope_linear` on: a decode step of one request rotates q and k in the q/k/v GEMV's
+    epilogue, of three after the tensor-core product; the tokens must still be the copy."""
+    from attngraph import linear_ops, skinny_linear
+    from attngraph.attn_backends.triton_ops.decode_attention import interpreting
+
+    if not (skinny_linear.interpreting() and interpreting()) or skinny_linear.interpreter_problem():
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1 before import; tests/conftest.py sets it)")
+    monkeypatch.setattr(linear_ops, "CPU_INTERPRETER", True)
+    rotating = []
+    launch = skinny_linear._launch
+    monkeypatch.setattr(skinny_linear, "_launch", lambda *a, **kw: rotating.append(kw.get("rope") is not None) or launch(*a, **kw))
+    name = "llama_gqa"
+    batch = prompts(name, count, seed=count)
+    ids, mask = left_padded(batch)
+    model = attngraph.accelerate(load(name, torch.bfloat16), attention_backend="triton", page_size=16, kv_cache_tokens=2048,
+                                 skinny_linears=True, fold_rope=True, fold_rope_linear=True)  # fmt: skip
+    try:
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=6, **GREEDY)
+    finally:
+        attngraph.restore(model)
+    want = expected(batch, 6)
+    diff = (got != want).nonzero().tolist()
+    assert not diff, f"{len(diff)} tokens differ from the copy, first at [row, position] {diff[0]}"
+    assert any(rotating)  # the GEMV rotated (one-request steps, and accelerate's warm-up forwards)

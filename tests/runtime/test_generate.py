@@ -172,3 +172,27 @@ def test_rotary_fold_keeps_the_tokens(arch, impl):
     assert results and not any(r.refused for r in results), [r.refused for r in results]
     if arch in ("llama", "qwen2", "mistral", "gemma"):
         assert all(len(r.folded) == model.config.num_hidden_layers for r in results)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma", "phi3", "qwen3"])
+def test_rotary_fold_into_the_projection_keeps_the_tokens(arch):
+    """``fold_rope_linear=True`` (with the projections on attngraph's ops): where q and k are
+    the first columns of the fused q/k/v projection the rotation moves on into it (Qwen2's
+    projection has a bias, Gemma's norm stays outside it); elsewhere the attention op keeps it
+    with the reason reported (Qwen3: a norm of q and k between; Phi-3's rotation is not folded
+    into the op in the first place). Greedy tokens are HF's either way."""
+    impl = next(i for a, i in arch_impl_params() if a == arch)
+    model, reference = accelerated_pair(arch, impl, skinny_linears=True, fold_rope=True, fold_rope_linear=True)
+    ids, mask = left_padded_batch(model.config.vocab_size)
+    with torch.no_grad():
+        want = reference.generate(ids, attention_mask=mask, **GREEDY)
+    got = model.generate(ids, attention_mask=mask, **GREEDY)
+    assert torch.equal(got, want)
+    backend = state_of(model).runner.ragged.backend
+    folded = sum(len(r.folded) for r in backend.rope_results)
+    moved = sum(len(r.folded) for r in backend.rope_linear_results)
+    assert backend.rope_linear_results and moved + sum(len(r.refused) for r in backend.rope_linear_results) == folded
+    if arch in ("llama", "qwen2", "mistral", "gemma"):
+        assert moved == folded > 0, [r.refused for r in backend.rope_linear_results]
+    if arch == "qwen3":
+        assert moved == 0 < folded

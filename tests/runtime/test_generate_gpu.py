@@ -225,19 +225,25 @@ def test_exact_token_count_pieces_match_hf_on_gpu():
         generate_teacher_forced(model, reference, ids, mask, 32)
 
 
-@pytest.mark.parametrize("arch,backend", [("llama", "triton"), ("qwen2", "triton"), ("llama", "flashinfer")])
-def test_rotary_embedding_folded_into_attention_on_gpu(arch, backend):
+@pytest.mark.parametrize("arch,backend,into_linear", [("llama", "triton", False), ("qwen2", "triton", False),
+                                                     ("llama", "flashinfer", False), ("llama", "triton", True),
+                                                     ("qwen2", "triton", True)])  # fmt: skip
+def test_rotary_embedding_folded_into_attention_on_gpu(arch, backend, into_linear):
     """``fold_rope=True``: every layer's rotation moves into the attention op (the Triton
     decode kernel applies it; FlashInfer's calls get q and k rotated by one launch first);
-    teacher-forced against HF eager as above, and the own loop's tokens equal HF's loop's."""
+    with ``fold_rope_linear=True`` on into the fused q/k/v projection (the GEMV's epilogue at
+    one row; Qwen2's projection has a bias). Teacher-forced against HF eager as above, and the
+    own loop's tokens equal HF's loop's."""
     if backend == "flashinfer":
         pytest.importorskip("flashinfer")
     model = model_of(arch)
     reference = copy.deepcopy(model)
     attngraph.accelerate(model, attention_backend=backend, page_size=16, kv_cache_tokens=8192, cuda_graph_capture_sizes=(1, 2, 4),
-                         fold_rope=True)  # fmt: skip
+                         fold_rope=True, fold_rope_linear=into_linear)  # fmt: skip
     results = state_of(model).runner.ragged.backend.rope_results
     assert results and all(len(r.folded) == model.config.num_hidden_layers and not r.refused for r in results)
+    moved = state_of(model).runner.ragged.backend.rope_linear_results
+    assert all(len(r.folded) == model.config.num_hidden_layers and not r.refused for r in moved) and bool(moved) == into_linear
     ids, mask = batch(model.config.vocab_size)
     out = generate_teacher_forced(model, reference, ids, mask, 128)
     plain = model.generate(ids, attention_mask=mask, max_new_tokens=128, do_sample=False, pad_token_id=0, eos_token_id=None)
