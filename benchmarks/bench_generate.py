@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import statistics
 import sys
@@ -82,19 +83,34 @@ def prompts(vocab: int, batch: int, length: int) -> tuple[torch.Tensor, torch.Te
     return ids.cuda(), mask.cuda()
 
 
-def timed(model, ids, mask, new_tokens: int, repeats: int = 1, **extra) -> tuple[torch.Tensor, list[float]]:
-    """``(sequences, seconds per generated token of each of ``repeats`` timed generates)``, after
-    a warm-up generate of the same length (compiles, caches)."""
-    kw = dict(attention_mask=mask, do_sample=False, pad_token_id=0, eos_token_id=None, **extra)
-    model.generate(ids, max_new_tokens=new_tokens, **kw)
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=new_tokens, **kw)
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) / new_tokens)
-    return out, times
+def _generate_once(model, ids, mask, new_tokens: int, kw: dict) -> tuple[torch.Tensor, float, float]:
+    """``(sequences, wall seconds, host seconds)`` of one generate: wall until the device has
+    finished, host until ``generate`` returned (it reads nothing back on attngraph's greedy
+    path, so the host may return long before the device finishes, unless it is the slower one)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=new_tokens, **kw)
+    t_host = time.perf_counter()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - t0, t_host - t0
+
+
+class _Collections:
+    """Counts the garbage collector's passes per generation while active (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.counts = [0, 0, 0]
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.counts[info["generation"]] += 1
+
+    def __enter__(self) -> "_Collections":
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self)
 
 
 class _KeepScores(transformers.LogitsProcessor):
@@ -129,15 +145,32 @@ def spread(steps: list[float]) -> dict:
     return {"ms_per_step_range": [round(min(steps), 3), round(max(steps), 3)]} if len(steps) > 1 else {}
 
 
-def decode_step_ms(model, ids, mask, new_tokens: int, repeats: int = 1, **extra) -> tuple[torch.Tensor, float, list[float]]:
-    """``(sequences of the N-token generate, ms per decode step, each repeat's)``: a decode step
-    is ``(t(N) - t(1)) / (N - 1)``, with t(1) the median of ``repeats`` timings and t(N) each
-    of ``repeats``; the step reported is their median."""
-    _, t1s = timed(model, ids, mask, 1, repeats, **extra)
-    out, tns = timed(model, ids, mask, new_tokens, repeats, **extra)
-    t1 = statistics.median(t1s)
-    steps = [(tn * new_tokens - t1) / (new_tokens - 1) * 1e3 for tn in tns]
-    return out, statistics.median(steps), steps
+def decode_step_ms(model, ids, mask, new_tokens: int, repeats: int = 1,
+                   **extra) -> tuple[torch.Tensor, float, list[float], dict]:  # fmt: skip
+    """``(sequences of the N-token generate, ms per decode step, each repeat's, host stats)``.
+
+    A decode step is ``(t(N) - t(1)) / (N - 1)``, with t(1) the median of ``repeats`` timings
+    and t(N) each of ``repeats``; the step reported is their median. After one warm-up of each
+    length the 1- and N-token generates alternate, so a drift of the host's speed meets both.
+    Host stats: ``host_ms_per_step``, the same difference of the times until ``generate``
+    returned (near the step itself: the host, not the device, sets the pace), and
+    ``gc_collections``, the collector's passes per generation during the timed generates."""
+    kw = dict(attention_mask=mask, do_sample=False, pad_token_id=0, eos_token_id=None, **extra)
+    for n in (1, new_tokens):  # compiles, caches
+        _generate_once(model, ids, mask, n, kw)
+    walls = {1: [], new_tokens: []}
+    hosts = {1: [], new_tokens: []}
+    with _Collections() as collections:
+        for _ in range(repeats):
+            for n in (1, new_tokens):
+                out, wall, host = _generate_once(model, ids, mask, n, kw)
+                walls[n].append(wall)
+                hosts[n].append(host)
+    t1, h1 = statistics.median(walls[1]), statistics.median(hosts[1])
+    steps = [(tn - t1) / (new_tokens - 1) * 1e3 for tn in walls[new_tokens]]
+    host_steps = [(hn - h1) / (new_tokens - 1) * 1e3 for hn in hosts[new_tokens]]
+    stats = {"host_ms_per_step": round(statistics.median(host_steps), 3), "gc_collections": collections.counts}
+    return out, statistics.median(steps), steps, stats
 
 
 def decode_kernels(model, batch: int, context: int) -> dict:
@@ -248,13 +281,13 @@ def main() -> None:
             for b in batches:
                 ids, mask = prompts(vocab, b, args.prompt)
                 if args.hf_eager:
-                    _, ms, each = decode_step_ms(model, ids, mask, args.new_tokens, args.repeats)
-                    add("HF eager (sdpa)", b, ms_per_step=round(ms, 3), **spread(each))
+                    _, ms, each, host = decode_step_ms(model, ids, mask, args.new_tokens, args.repeats)
+                    add("HF eager (sdpa)", b, ms_per_step=round(ms, 3), **spread(each), **host)
                 if args.hf_static in ("all", shape) or shape in args.hf_static.split(","):  # transformers compiles the forward itself for a static cache
                     try:
-                        out, ms, each = decode_step_ms(model, ids, mask, args.new_tokens, args.repeats,
-                                                       cache_implementation="static")  # fmt: skip
-                        add("HF static cache + torch.compile", b, ms_per_step=round(ms, 3), **spread(each),
+                        out, ms, each, host = decode_step_ms(model, ids, mask, args.new_tokens, args.repeats,
+                                                             cache_implementation="static")  # fmt: skip
+                        add("HF static cache + torch.compile", b, ms_per_step=round(ms, 3), **spread(each), **host,
                             teacher_forced_agreement=round(teacher_forced_agreement(model, None, out, args.prompt, mask), 4))  # fmt: skip
                     except Exception as exc:
                         add("HF static cache + torch.compile", b, error=f"{type(exc).__name__}: {exc}"[:500])
@@ -296,8 +329,9 @@ def main() -> None:
                 ids, mask = prompts(vocab, b, args.prompt)
                 kernels = decode_kernels(m, b, args.prompt)
                 for loop in args.loops.split(","):
-                    out, ms, each = decode_step_ms(m, ids, mask, args.new_tokens, args.repeats, **LOOPS[loop])
-                    add(label + ("" if loop == "chunks" else " step loop"), b, ms_per_step=round(ms, 3), **spread(each), **kernels,
+                    out, ms, each, host = decode_step_ms(m, ids, mask, args.new_tokens, args.repeats, **LOOPS[loop])
+                    add(label + ("" if loop == "chunks" else " step loop"), b, ms_per_step=round(ms, 3), **spread(each), **host,
+                        **kernels,
                         teacher_forced_agreement=round(teacher_forced_agreement(model, m, out, args.prompt, mask), 4),
                         setup_s=round(setup_s, 1))  # fmt: skip
             attngraph.restore(m)
@@ -318,21 +352,21 @@ def main() -> None:
 
 
 def markdown_table(result: dict) -> str:
-    lines = ["| shape | impl | batch | ms / step | x floor | kernels / step | GPU ms / step | GPU busy ms / step "
-             "| teacher-forced agreement |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    lines = ["| shape | impl | batch | ms / step | x floor | host ms / step | kernels / step | GPU ms / step "
+             "| GPU busy ms / step | teacher-forced agreement |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"| {r['shape']} | {r['impl']} | {r['batch']} | error: {r['error'][:80]} | | | | | |")
+            lines.append(f"| {r['shape']} | {r['impl']} | {r['batch']} | error: {r['error'][:80]} | | | | | | |")
             continue
         tf = r.get("teacher_forced_agreement")
         lines.append(
             f"| {r['shape']} | {r['impl']} | {r['batch']} | {r['ms_per_step']:.3f} | {r['x_floor']:.2f} | "
-            f"{r.get('kernels', '')} | {r.get('gpu_ms', '')} | {r.get('gpu_busy_ms', '')} | "
+            f"{r.get('host_ms_per_step', '')} | {r.get('kernels', '')} | {r.get('gpu_ms', '')} | {r.get('gpu_busy_ms', '')} | "
             f"{'' if tf is None else f'{100 * tf:.1f}%'} |"
         )
     for shape, ms in result["weight_read_floor_ms"].items():
-        lines.append(f"| {shape} | floor (weights once at {result['copy_bandwidth_GBps']} GB/s) | | {ms:.3f} | 1.00 | | | | |")
+        lines.append(f"| {shape} | floor (weights once at {result['copy_bandwidth_GBps']} GB/s) | | {ms:.3f} | 1.00 | | | | | |")
     return "\n".join(lines)
 
 
