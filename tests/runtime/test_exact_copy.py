@@ -67,31 +67,46 @@ def test_accelerated_generate_is_token_identical(accelerated, references, count)
     assert pool.num_used_pages == 0 and pool.num_active_requests == 0
 
 
-@pytest.mark.parametrize("count,fold_norm", [(1, False), (3, False), (3, True)], ids=["1", "3", "3-norm-in-dot"])
-def test_bf16_through_the_triton_linear_kernels_is_the_copy(monkeypatch, count, fold_norm):
+@pytest.mark.parametrize("count,fold_norm,rope", [(1, False, False), (3, False, False), (3, True, False), (1, False, True),
+                                                  (3, False, True)],
+                         ids=["1", "3", "3-norm-in-dot", "1-rope-in-gemv", "3-rope-after-dot"])  # fmt: skip
+def test_bf16_through_the_triton_linear_kernels_is_the_copy(monkeypatch, count, fold_norm, rope):
     """In bf16 with the linear ops' Triton kernels run by the interpreter: decode steps of one
     request take the GEMV (RMSNorm and SiLU * up folded in), of three the tensor-core kernel
     (`attngraph.skinny_dot`, after the standalone norm and SiLU-mul kernels, or with the norm
-    in its loads: `linear_ops.DOT_FOLD_NORM`); the prefill takes torch. The tokens must still
-    be the copy."""
+    in its loads: `linear_ops.DOT_FOLD_NORM`); the prefill takes torch. With ``rope``
+    (`fold_rope_linear`, the Triton decode kernel, also interpreted) the q/k/v GEMV rotates q
+    and k in its epilogue, the three-row steps after the product. The tokens must still be
+    the copy."""
     from attngraph import linear_ops, rms_norm, skinny_dot, skinny_linear
+    from attngraph.attn_backends.triton_ops.decode_attention import interpreting
 
-    if not (skinny_linear.interpreting() and skinny_dot.interpreting()) or skinny_linear.interpreter_problem():
+    if not (skinny_linear.interpreting() and skinny_dot.interpreting() and interpreting()) \
+            or skinny_linear.interpreter_problem():  # fmt: skip
         pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1 before import; tests/conftest.py sets it)")
     monkeypatch.setattr(linear_ops, "CPU_INTERPRETER", True)
     monkeypatch.setattr(linear_ops, "DOT_FOLD_NORM", fold_norm)
     norms = []
     standalone = rms_norm.add_rms_norm
     monkeypatch.setattr(rms_norm, "add_rms_norm", lambda *a: norms.append(a[0].shape[0]) or standalone(*a))
-    launches = {"gemv": 0, "dot": 0}
+    launches = {"gemv": 0, "dot": 0, "rotating gemv": 0}
+
+    def counted(launch, key):
+        def run(*a, **kw):
+            launches[key] += 1
+            launches["rotating gemv"] += kw.get("rope") is not None
+            return launch(*a, **kw)
+
+        return run
+
     for mod, key in ((skinny_linear, "gemv"), (skinny_dot, "dot")):
-        launch = mod._launch
-        monkeypatch.setattr(mod, "_launch", lambda *a, _l=launch, _k=key, **kw: launches.__setitem__(_k, launches[_k] + 1) or _l(*a, **kw))
+        monkeypatch.setattr(mod, "_launch", counted(mod._launch, key))
     name = "llama_gqa"
     batch = prompts(name, count, seed=count)
     ids, mask = left_padded(batch)
-    model = attngraph.accelerate(load(name, torch.bfloat16), attention_backend="torch_native", page_size=16,
-                                 kv_cache_tokens=2048, skinny_linears=True)  # fmt: skip
+    options = dict(attention_backend="triton", fold_rope=True, fold_rope_linear=True) if rope else {}
+    model = attngraph.accelerate(load(name, torch.bfloat16), page_size=16, kv_cache_tokens=2048, skinny_linears=True,
+                                 **{"attention_backend": "torch_native", **options})  # fmt: skip
     try:
         got = model.generate(ids, attention_mask=mask, max_new_tokens=6, **GREEDY)
     finally:
@@ -103,14 +118,20 @@ def test_bf16_through_the_triton_linear_kernels_is_the_copy(monkeypatch, count, 
     assert launches["gemv" if count == 1 else "dot"] > 0 and (count > 1 or launches["dot"] == 0), launches
     # the norms of three-row steps: folded into the tensor-core kernel, or their own launches
     assert count == 1 or (3 in norms) != fold_norm, norms
+    # the GEMV rotated (one-request steps, and accelerate's warm-up forwards)
+    assert (launches["rotating gemv"] > 0) == rope, launches
 
 
-@pytest.mark.parametrize("name,backend", [("llama_gqa", "torch_native"), ("llama_gqa", "triton"), ("mistral_window", "triton")])
-def test_rotary_embedding_folded_into_attention_is_the_copy(references, monkeypatch, name, backend):
+@pytest.mark.parametrize("name,backend,into_linear", [("llama_gqa", "torch_native", False), ("llama_gqa", "triton", False),
+                                                     ("mistral_window", "triton", False), ("llama_gqa", "torch_native", True),
+                                                     ("mistral_window", "triton", True)])  # fmt: skip
+def test_rotary_embedding_folded_into_attention_is_the_copy(references, monkeypatch, name, backend, into_linear):
     """`CompileConfig.fold_rope`: q and k reach the attention op unrotated with their cos / sin
     rows; the Triton backend's decode kernel rotates them (under Triton's interpreter on the
-    CPU), torch_native rotates them first; Mistral's sliding window too. Every layer's site
-    folds, and the tokens are HF's."""
+    CPU), torch_native rotates them first; Mistral's sliding window too. With
+    `fold_rope_linear` (fp32: the projections on torch's path) the rotation moves on into the
+    fused q/k/v projection op, which rotates its first columns after the product, and no
+    decode call gets rotary rows. Every layer's site folds, and the tokens are HF's."""
     from attngraph.attn_backends import triton_backend
     from attngraph.attn_backends.triton_ops.decode_attention import interpreter_problem, interpreting
 
@@ -123,62 +144,19 @@ def test_rotary_embedding_folded_into_attention_is_the_copy(references, monkeypa
     monkeypatch.setattr(triton_backend, "decode_attention_fwd",
                         lambda *a, **kw: folded_decodes.append(kw.get("rope_cos") is not None) or fwd(*a, **kw))  # fmt: skip
     ids, mask, want = references(name, 3)
-    model = attngraph.accelerate(load(name), attention_backend=backend, page_size=16, kv_cache_tokens=2048, fold_rope=True)
+    options = dict(skinny_linears=True, fold_rope_linear=True) if into_linear else {}
+    model = attngraph.accelerate(load(name), attention_backend=backend, page_size=16, kv_cache_tokens=2048, fold_rope=True,
+                                 **options)  # fmt: skip
     try:
         got = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, **GREEDY)
-        results = state_of(model).runner.ragged.backend.rope_results
+        backend_state = state_of(model).runner.ragged.backend
+        results, moved = backend_state.rope_results, backend_state.rope_linear_results
     finally:
         attngraph.restore(model)
     diff = (got != want).nonzero().tolist()
     assert not diff, f"{len(diff)} tokens differ from HF's, first at [row, position] {diff[0]}"
     layers = load(name).config.num_hidden_layers
     assert results and all(len(r.folded) == layers and not r.refused for r in results)
-    assert (backend == "triton") == bool(folded_decodes) and all(folded_decodes)
-
-
-@pytest.mark.parametrize("name", ["llama_gqa", "mistral_window"])
-def test_rotary_embedding_folded_into_the_projection_is_the_copy(references, name):
-    """`CompileConfig.fold_rope_linear` in fp32 on torch's paths: every layer's rotation moves
-    on from the attention op into the fused q/k/v projection op, which rotates its first
-    columns after the product (`attngraph.rope.rope_columns_`); the tokens are HF's."""
-    ids, mask, want = references(name, 3)
-    model = attngraph.accelerate(load(name), attention_backend="torch_native", page_size=16, kv_cache_tokens=2048,
-                                 skinny_linears=True, fold_rope=True, fold_rope_linear=True)  # fmt: skip
-    try:
-        got = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, **GREEDY)
-        results = state_of(model).runner.ragged.backend.rope_linear_results
-    finally:
-        attngraph.restore(model)
-    diff = (got != want).nonzero().tolist()
-    assert not diff, f"{len(diff)} tokens differ from HF's, first at [row, position] {diff[0]}"
-    layers = load(name).config.num_hidden_layers
-    assert results and all(len(r.folded) == layers and not r.refused for r in results), [r.refused for r in results]
-
-
-@pytest.mark.parametrize("count", [1, 3])
-def test_bf16_rotation_in_the_gemv_epilogue_is_the_copy(monkeypatch, count):
-    """bf16, the linear ops' Triton kernels and the Triton decode kernel under the interpreter,
-    `fold_rope_linear` on: a decode step of one request rotates q and k in the q/k/v GEMV's
-    epilogue, of three after the tensor-core product; the tokens must still be the copy."""
-    from attngraph import linear_ops, skinny_linear
-    from attngraph.attn_backends.triton_ops.decode_attention import interpreting
-
-    if not (skinny_linear.interpreting() and interpreting()) or skinny_linear.interpreter_problem():
-        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1 before import; tests/conftest.py sets it)")
-    monkeypatch.setattr(linear_ops, "CPU_INTERPRETER", True)
-    rotating = []
-    launch = skinny_linear._launch
-    monkeypatch.setattr(skinny_linear, "_launch", lambda *a, **kw: rotating.append(kw.get("rope") is not None) or launch(*a, **kw))
-    name = "llama_gqa"
-    batch = prompts(name, count, seed=count)
-    ids, mask = left_padded(batch)
-    model = attngraph.accelerate(load(name, torch.bfloat16), attention_backend="triton", page_size=16, kv_cache_tokens=2048,
-                                 skinny_linears=True, fold_rope=True, fold_rope_linear=True)  # fmt: skip
-    try:
-        got = model.generate(ids, attention_mask=mask, max_new_tokens=6, **GREEDY)
-    finally:
-        attngraph.restore(model)
-    want = expected(batch, 6)
-    diff = (got != want).nonzero().tolist()
-    assert not diff, f"{len(diff)} tokens differ from the copy, first at [row, position] {diff[0]}"
-    assert any(rotating)  # the GEMV rotated (one-request steps, and accelerate's warm-up forwards)
+    assert bool(moved) == into_linear and all(len(r.folded) == layers and not r.refused for r in moved), [r.refused for r in moved]
+    assert (backend == "triton") == bool(folded_decodes)
+    assert not any(folded_decodes) if into_linear else all(folded_decodes)
