@@ -42,7 +42,8 @@ def _rotate_block(X, O, t, h0, H, stride_t, stride_h, stride_ot, stride_oh, c, s
 
 @triton.jit
 def _rope_kernel(Q, K, Cos, Sin, QO, KO, HQ, HK, stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
-                 stride_qot, stride_qoh, stride_kot, stride_koh, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, SOFT_BF16: tl.constexpr,
+                 stride_qot, stride_qoh, stride_kot, stride_koh, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_H: tl.constexpr, SOFT_BF16: tl.constexpr,
                  USE_PDL: tl.constexpr):  # fmt: skip
     """``QO[t] = rope(Q[t])``, ``KO[t] = rope(K[t])`` for token ``t = program_id(0)``; QO, KO
     ``[T, H, D]`` with their own strides (unit stride along D)."""

@@ -19,7 +19,11 @@ in one launch and uses each weight tile for every row:
 Launched with programmatic dependent launch where `attngraph.pdl` allows it: a program loads
 its first weight chunk, then waits for the kernel before (whose output ``x`` is) to finish. `skinny_silu_mul_linear` fuses the MLP's
 ``silu(gate) * up`` into the loads of ``x``; `skinny_rms_norm_linear` a residual add and HF's
-RMSNorm (each program first reads all of ``x`` for the rows' statistics).
+RMSNorm (each program first reads all of ``x`` for the rows' statistics). Both plain launchers
+also rotate a fused q/k/v projection's first columns by HF's rotate-half RoPE in the epilogue
+(``rope_cos``, ``rope_sin``, ``rope_cols``; `passes.fold_rope_linear`): a program then owns
+``BLOCK_N / 2`` dims of a head and their partners half a head away, so each rotation's pair is
+in its registers.
 """
 
 from __future__ import annotations
