@@ -206,3 +206,27 @@ def test_opcheck_with_the_rotation(kernel_ops):
     x, res, nw, w, b, cos, sin, cols = op_operands(2, torch.bfloat16, kernel_ops)
     torch.library.opcheck(torch.ops.attngraph.linear.default, (x, w, b, 0, cos, sin, cols))
     torch.library.opcheck(torch.ops.attngraph.add_rms_norm_linear.default, (x, res, nw, 1e-6, w, b, 0, cos, sin, cols))
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["1b", "8b"])
+@pytest.mark.parametrize("m", [1, 2])
+def test_gemv_rotation_at_llama_shapes_on_gpu(shape, m):
+    """The fused q/k/v GEMVs of Llama-3.2-1B (32 + 8 + 8 heads of 64, K 2048) and
+    Llama-3.1-8B (32 + 8 + 8 heads of 128, K 4096) with the residual add and the norm folded,
+    at their tuned configurations and under PDL where the GPU has it: the unrotated GEMV's
+    output, rotated; the residual stream unchanged."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    d, k = (64, 2048) if shape == "1b" else (128, 4096)
+    x, w, _, cos, sin, cols = operands(m, m, 32, 8, d, k, torch.bfloat16, torch.device("cuda"))
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    res = rand(gen, m, k, dtype=torch.bfloat16, device="cuda")
+    nw = rand(gen, k, dtype=torch.bfloat16, device="cuda") + 1.0
+    h_plain, h_rot = torch.empty_like(x), torch.empty_like(x)
+    plain = sl.skinny_rms_norm_linear(x, nw, 1e-5, w, residual=res, h_out=h_plain)
+    got = sl.skinny_rms_norm_linear(x, nw, 1e-5, w, residual=res, h_out=h_rot, rope_cos=cos, rope_sin=sin, rope_cols=cols)
+    torch.cuda.synchronize()
+    assert_rotation_of(got, plain, cos, sin, cols)
+    assert torch.equal(h_rot, h_plain)
