@@ -150,9 +150,10 @@ class CompileConfig:
     fold_rope_linear:
         With `fold_rope` (required): where q and k are the first output columns of one
         attngraph projection (a fused q/k/v), the rotation moves on from the attention op into
-        that projection (`passes.fold_rope_linear`): the decode step's GEMV rotates the
-        columns in its epilogue, so the attention kernel reads q and k rotated and no launch
-        is spent on the rotation; other row counts rotate them after the GEMM in one launch.
+        that projection (`passes.fold_rope_linear`): a decode step's GEMV (1-2 rows) or
+        tensor-core kernel (3-16) rotates the columns in its epilogue, so the attention kernel
+        reads q and k rotated and no launch is spent on the rotation; a prefill's rows rotate
+        after the GEMM in one launch.
     absorb_mla:
         Paged runtime: multi-head latent attention (DeepSeek V2/V3 and kin) attends over its
         latent plus RoPE key, one KV head of ``kv_lora_rank + qk_rope_head_dim`` values per

@@ -171,17 +171,31 @@ def _use_dot(rows: int, k: int, lead: torch.Tensor, weight: torch.Tensor) -> boo
     return _operands_fit(k, lead, weight) and _dot_kernels() is not None
 
 
-def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int,
+             rope: tuple | None = None) -> torch.Tensor:  # fmt: skip
     """``F.linear(x, weight, bias)`` of ``x: [..., K]`` whose first ``rows`` (`real_rows`) rows
-    are real, on tensor cores where `_use_dot` allows (padding rows left unwritten)."""
+    are real, on tensor cores where `_use_dot` allows (padding rows left unwritten); with
+    ``rope = (cos, sin, cols)`` the first ``cols`` columns rotated, in the tensor-core kernel's
+    epilogue where its blocks hold the head's pairs, else after the product."""
     k = x.shape[-1]
     n = weight.shape[0]
     m = x.numel() // k if k else 0
     if not _use_dot(rows, k, x, weight) or (bias is not None and n > 1 and bias.stride(0) != 1):
-        return F.linear(x, weight, bias)
+        y = F.linear(x, weight, bias)
+        return _rotate_columns(y, *rope, rows) if rope is not None else y
+    in_kernel = rope is not None and _rope_in_dot(rope)
     y = x.new_empty((m, n))
-    _dot_kernels().skinny_dot_linear(x.reshape(m, k)[:rows], weight, bias, out=y[:rows])
+    extra = dict(rope_cos=rope[0], rope_sin=rope[1], rope_cols=rope[2]) if in_kernel else {}
+    _dot_kernels().skinny_dot_linear(x.reshape(m, k)[:rows], weight, bias, out=y[:rows], **extra)
+    if rope is not None and not in_kernel:
+        _rotate_columns(y, *rope, rows)
     return y.view(*x.shape[:-1], n)
+
+
+def _rope_in_dot(rope: tuple) -> bool:
+    """Whether the tensor-core kernel rotates ``rope = (cos, sin, cols)`` in its epilogue."""
+    cos, sin, _ = rope
+    return _dot_kernels().rope_fits(cos.shape[-1]) and _rope_fits(True, cos, sin)
 
 
 def kernel_may_serve(n: int, k: int, silu_mul: bool = False) -> bool:
@@ -295,8 +309,8 @@ def linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 
     ``rope_cos``, ``rope_sin``: ``[rows of x, D]``; with them the first ``rope_cols`` output
     columns (heads of ``D``: q and k of a fused projection) leave rotated by HF's rotate-half
-    RoPE (`passes.fold_rope_linear`): in the GEMV's epilogue, else by one more launch
-    (`attngraph.rope.rope_columns_`)."""
+    RoPE (`passes.fold_rope_linear`): in the GEMV's or the tensor-core kernel's epilogue,
+    else by one more launch after the product (`attngraph.rope.rope_columns_`)."""
     k = x.shape[-1] if x.dim() else 0
     n = _check_linear("linear", x, weight, k)
     _check_bias(bias, n, x)
@@ -307,8 +321,7 @@ def linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     real = real_rows(rows, m)
     if not _use_kernel(real, k, x, weight) or (bias is not None and bias.stride(0) != 1 and n > 1) \
             or not _rope_fits(rope, rope_cos, rope_sin):  # fmt: skip
-        y = _project(x, weight, bias, real)
-        return _rotate_columns(y, rope_cos, rope_sin, rope_cols, real) if rope else y
+        return _project(x, weight, bias, real, (rope_cos, rope_sin, rope_cols) if rope else None)
     # [m, K]: a view of a row-strided x (unit stride along K kept), a copy when none exists
     y = x.new_empty((m, n))
     _kernels().skinny_linear(x.reshape(m, k)[:real], weight, bias, out=y[:real], rope_cos=rope_cos, rope_sin=rope_sin,
@@ -393,7 +406,8 @@ def _norm_linear(x, residual, norm_weight, eps, weight, bias, rows, rope_cos=Non
     if fold is not None:
         y = x.new_empty((m, n))
         h = x.new_empty((m, k)) if residual is not None else None
-        in_kernel = rope and fold is _kernels().skinny_rms_norm_linear  # the GEMV rotates in its epilogue
+        # the GEMV rotates in its epilogue; the tensor-core kernel where its blocks hold a head's pairs
+        in_kernel = rope and (fold is _kernels().skinny_rms_norm_linear or _rope_in_dot((rope_cos, rope_sin, rope_cols)))
         extra = dict(rope_cos=rope_cos, rope_sin=rope_sin, rope_cols=rope_cols) if in_kernel else {}
         fold(
             x.reshape(m, k)[:real], norm_weight, eps, weight, bias,
@@ -409,8 +423,7 @@ def _norm_linear(x, residual, norm_weight, eps, weight, bias, rows, rope_cos=Non
     else:
         h = x + residual if residual is not None else None
         normed = _rms_norm_torch(x if h is None else h, norm_weight, eps)
-    y = _project(normed, weight, bias, real)
-    return (_rotate_columns(y, rope_cos, rope_sin, rope_cols, real) if rope else y), h
+    return _project(normed, weight, bias, real, (rope_cos, rope_sin, rope_cols) if rope else None), h
 
 
 def rms_norm_linear_impl(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,

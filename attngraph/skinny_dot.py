@@ -16,6 +16,8 @@ tall side of the tensor-core tile:
 * ``NORM`` (``RESIDUAL``): HF's RMSNorm of ``x`` (``+ residual``) formed as each chunk is
   loaded, after every program has read all of ``x`` for the rows' statistics: no launch of its
   own (`skinny_dot_rms_norm_linear`; the ops use it where `linear_ops.DOT_FOLD_NORM` is set);
+* ``ROPE``: a fused q/k/v projection's first columns leave rotated by HF's rotate-half RoPE
+  (`passes.fold_rope_linear`), with `skinny_linear`'s column layout and epilogue;
 * launched with programmatic dependent launch where `attngraph.pdl` allows it: a program loads
   its first weight tile, then waits for the kernel before (whose output ``x`` is).
 
@@ -35,11 +37,22 @@ from . import pdl, weight_prefetch
 from .attn_backends.triton_ops.decode_attention import interpreting
 from .errors import InputError
 from .pdl import gdc_launch_dependents, gdc_wait
-from .skinny_linear import _residual_chunk, _rms_norm_chunk, _rms_rstd, check_norm_operands, split_plan
+from .skinny_linear import (
+    _output,
+    _residual_chunk,
+    _rms_norm_chunk,
+    _rms_rstd,
+    _rope_columns,
+    _rope_rows,
+    check_norm_operands,
+    check_rope_columns,
+    split_plan,
+)
 from .triton_math import round_to as _round
 from .weight_prefetch import prefetch_rows_l2
 
-__all__ = ["MAX_ROWS", "TUNED", "default_config", "skinny_dot_linear", "skinny_dot_rms_norm_linear", "skinny_dot_silu_mul_linear"]
+__all__ = ["MAX_ROWS", "MIN_BLOCK_N", "TUNED", "default_config", "rope_fits", "skinny_dot_linear", "skinny_dot_rms_norm_linear",
+           "skinny_dot_silu_mul_linear"]
 
 #: Rows of ``x`` one launch takes (the tensor-core tile's narrow side).
 MAX_ROWS = 16
@@ -97,14 +110,28 @@ def _operand_chunk(x_rows, x2_rows, nw_ptr, rstd, offs_k, mask_m, K, EVEN_K: tl.
 
 
 @triton.jit
+def _store(Y, y_ptrs, y_mask, acc, Cos, Sin, rows, mask_m, offs_n, mask_n, dims, in_rope, stride_ym, stride_cm, stride_sm,
+           BLOCK_N: tl.constexpr, ROPE: tl.constexpr, SOFT_BF16: tl.constexpr):  # fmt: skip
+    """Store the fp32 ``y^T`` tile ``acc: [BLOCK_N, 16]`` rounded to Y's dtype; with ``ROPE``
+    rotated first by `skinny_linear._output` on its ``[16, BLOCK_N]`` transpose (the cos / sin
+    rows read here: after any PDL wait)."""
+    if ROPE:
+        c, s = _rope_rows(Cos, Sin, rows, mask_m, dims, in_rope, stride_cm, stride_sm)  # [16, BLOCK_N]
+        y = _output(tl.trans(acc), c, s, in_rope, Y.dtype.element_ty, 16, BLOCK_N, ROPE, SOFT_BF16)
+        tl.store(Y + rows[:, None] * stride_ym + offs_n[None, :], y, mask=mask_m[:, None] & mask_n[None, :])
+    else:
+        tl.store(y_ptrs, _round(acc, Y.dtype.element_ty, SOFT_BF16), mask=y_mask)
+
+
+@triton.jit
 def _skinny_dot_kernel(
-    X, X2, W, Bias, Y, Part, Counters, NW, H,
-    M, N, K, k_per_split, eps,
-    stride_xm, stride_x2m, stride_wn, stride_ym, stride_hm,
+    X, X2, W, Bias, Y, Part, Counters, NW, H, Cos, Sin,
+    M, N, K, k_per_split, eps, rope_cols,
+    stride_xm, stride_x2m, stride_wn, stride_ym, stride_hm, stride_cm, stride_sm,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, SOFT_BF16: tl.constexpr, USE_PDL: tl.constexpr,
-    PREFETCH: tl.constexpr, LINE: tl.constexpr,
+    PREFETCH: tl.constexpr, LINE: tl.constexpr, ROPE: tl.constexpr, ROPE_D: tl.constexpr,
 ):  # fmt: skip
     """``Y[:M] = h @ W^T (+ Bias)``, ``h = X``, ``silu(X) * X2`` or, with ``NORM``, ``NW *
     rmsnorm(X)`` (HF's RMSNorm, ``eps``) or, with ``RESIDUAL`` too, of ``X + X2``, whose rows
@@ -116,12 +143,18 @@ def _skinny_dot_kernel(
     range is ``k_per_split`` long, a multiple of ``BLOCK_K``, so only K's end can cut a chunk
     (``EVEN_K``: K is a multiple of BLOCK_K too, no chunk is cut). ``PREFETCH`` (with
     ``USE_PDL``): the rest of the program's weight range is asked into L2 before the wait
-    (`attngraph.weight_prefetch`, ``LINE`` elements per line)."""
+    (`attngraph.weight_prefetch`, ``LINE`` elements per line). ``ROPE``: columns ``[0,
+    rope_cols)`` leave rotated, as in `skinny_linear`'s kernel (its column layout and epilogue,
+    on the transposed tile)."""
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns = weight rows
-    mask_n = offs_n < N
     rows = tl.arange(0, 16)  # [16] rows of x, the first M real
     mask_m = rows < M
+    in_rope = pid_n * BLOCK_N < rope_cols  # rope_cols = 0 without ROPE
+    dims = offs_n  # placeholder without ROPE (never read)
+    if ROPE:  # a head's rotate-half partners in one program
+        offs_n, dims = _rope_columns(pid_n * BLOCK_N, offs_n, in_rope, BLOCK_N, ROPE_D)
+    mask_n = offs_n < N
     k_lo = tl.program_id(1) * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
@@ -159,7 +192,8 @@ def _skinny_dot_kernel(
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-        tl.store(y_ptrs, _round(acc, Y.dtype.element_ty, SOFT_BF16), mask=y_mask)
+        _store(Y, y_ptrs, y_mask, acc, Cos, Sin, rows, mask_m, offs_n, mask_n, dims, in_rope, stride_ym, stride_cm,
+               stride_sm, BLOCK_N, ROPE, SOFT_BF16)  # fmt: skip
     else:
         # This split's partials, then the column block's last program to count sums them (the
         # ordering argument of skinny_linear's split-K).
@@ -174,7 +208,8 @@ def _skinny_dot_kernel(
                 total += tl.load(part_cols + s * N * 16, mask=mask_n[:, None], other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 total += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-            tl.store(y_ptrs, _round(total, Y.dtype.element_ty, SOFT_BF16), mask=y_mask)
+            _store(Y, y_ptrs, y_mask, total, Cos, Sin, rows, mask_m, offs_n, mask_n, dims, in_rope, stride_ym, stride_cm,
+                   stride_sm, BLOCK_N, ROPE, SOFT_BF16)  # fmt: skip
             tl.store(Counters + pid_n, 0)  # every split has counted: ready for the next launch
 
 
@@ -228,10 +263,23 @@ def _check_operands(what: str, x: torch.Tensor, weight: torch.Tensor, out: torch
     return out
 
 
-def _launch(x, x2, weight, bias, out, config, silu_mul: bool, norm_weight=None, eps: float = 0.0, h_out=None) -> torch.Tensor:
+#: The narrowest column block of the tensor-core tile: a rotation needs whole pairs of a head in
+#: one block, so heads whose dim has a power-of-two factor below it rotate outside the kernel.
+MIN_BLOCK_N = 16
+
+
+def rope_fits(head_dim: int) -> bool:
+    """Whether the kernel rotates heads of ``head_dim`` in its epilogue (a column block of at
+    least `MIN_BLOCK_N` dividing the head)."""
+    return head_dim >= 2 and head_dim % 2 == 0 and (head_dim & -head_dim) >= MIN_BLOCK_N
+
+
+def _launch(x, x2, weight, bias, out, config, silu_mul: bool, norm_weight=None, eps: float = 0.0, h_out=None,
+            rope=None) -> torch.Tensor:  # fmt: skip
     """Launch the kernel for validated operands (``x``, ``x2``: ``[M, K]``; ``out``: ``[M, N]``;
     with ``norm_weight`` ``[K]`` the RMSNorm prologue, of ``x + x2`` into ``h_out`` when ``x2``
-    is given)."""
+    is given; with ``rope`` = `skinny_linear.check_rope_columns`'s result the rotation of the
+    first columns)."""
     m, k = x.shape
     n = weight.shape[0]
     norm = norm_weight is not None
@@ -244,6 +292,13 @@ def _launch(x, x2, weight, bias, out, config, silu_mul: bool, norm_weight=None, 
         return out.copy_(bias.expand(m, n)) if bias is not None else out.zero_()
     cfg = default_config(n, k) if config is None else _check_config(config)
     block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    rope_cos, rope_sin, rope_cols = rope if rope is not None else (x, x, 0)  # tensors read with ROPE only
+    rope_d = rope_cos.shape[1] if rope is not None else 2
+    if rope is not None:  # a column block holds whole pairs of one head
+        if not rope_fits(rope_d):
+            raise InputError(f"the tensor-core kernel rotates heads whose dim has a power-of-two factor >= {MIN_BLOCK_N}; "
+                             f"got {rope_d} (rotate after the product: attngraph.rope.rope_columns_)")  # fmt: skip
+        block_n = min(block_n, rope_d & -rope_d)
     blocks = triton.cdiv(n, block_n)
     split_k, k_per_split, counters = split_plan(k, cfg["SPLIT_K"], block_k, blocks, x.device)
     part = counters = out if counters is None else counters  # part and counters: read with split-K only
@@ -258,30 +313,37 @@ def _launch(x, x2, weight, bias, out, config, silu_mul: bool, norm_weight=None, 
     guard = torch.cuda.device(x.device) if x.is_cuda and x.device.index != torch.cuda.current_device() else nullcontext()
     with guard:
         _skinny_dot_kernel[(blocks, split_k)](
-            x, x2, weight, bias if bias is not None else weight, out, part, counters, norm_weight, h_out,
-            m, n, k, k_per_split, float(eps), x.stride(0), x2.stride(0), weight.stride(0), out.stride(0), h_out.stride(0),
+            x, x2, weight, bias if bias is not None else weight, out, part, counters, norm_weight, h_out, rope_cos, rope_sin,
+            m, n, k, k_per_split, float(eps), rope_cols,
+            x.stride(0), x2.stride(0), weight.stride(0), out.stride(0), h_out.stride(0), rope_cos.stride(0),
+            rope_sin.stride(0),
             BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, EVEN_K=k % block_k == 0,
             HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm, RESIDUAL=residual, UPCAST=upcast, PRECISION="ieee" if upcast else "tf32",
             SOFT_BF16=upcast, USE_PDL=use_pdl, PREFETCH=prefetch, LINE=min(weight_prefetch.line_elements(weight), block_k),
+            ROPE=rope is not None, ROPE_D=rope_d,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch_options(use_pdl),
         )  # fmt: skip
     return out
 
 
 def skinny_dot_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                      out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:  # fmt: skip
+                      out: torch.Tensor | None = None, config: dict | None = None, rope_cos: torch.Tensor | None = None,
+                      rope_sin: torch.Tensor | None = None, rope_cols: int = 0) -> torch.Tensor:  # fmt: skip
     """``F.linear(x, weight, bias)`` on tensor cores for ``x: [M, K]`` (``M <= 16``; rows any
     stride apart, unit stride along K; bf16 or fp16), ``weight: [N, K]`` contiguous, ``bias:
     [N]`` or None -> ``[M, N]``, accumulated in fp32 and rounded once. ``out``: an ``[M, N]``
     tensor to write (unit stride along N), None: a new one; ``config``: overrides
-    `default_config` (benchmark sweeps)."""
+    `default_config` (benchmark sweeps). ``rope_cos``, ``rope_sin``, ``rope_cols``: the first
+    columns rotated in the epilogue, as `skinny_linear.skinny_linear` (heads whose dim
+    `rope_fits`)."""
     what = "skinny_dot_linear"
     out = _check_operands(what, x, weight, out)
     n = weight.shape[0]
     if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype != x.dtype or bias.device != x.device
                              or (n > 1 and bias.stride(0) != 1)):  # fmt: skip
         raise InputError(f"{what}: bias must be a contiguous {x.dtype} [{n}] on {x.device}; got {bias.dtype} {tuple(bias.shape)}")
-    return _launch(x, None, weight, bias, out, config, silu_mul=False)
+    rope = check_rope_columns(what, x, n, rope_cos, rope_sin, rope_cols)
+    return _launch(x, None, weight, bias, out, config, silu_mul=False, rope=rope)
 
 
 def skinny_dot_silu_mul_linear(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, *,
@@ -312,6 +374,9 @@ def skinny_dot_rms_norm_linear(
     out: torch.Tensor | None = None,
     h_out: torch.Tensor | None = None,
     config: dict | None = None,
+    rope_cos: torch.Tensor | None = None,
+    rope_sin: torch.Tensor | None = None,
+    rope_cols: int = 0,
 ) -> torch.Tensor:
     """``F.linear(rms_norm(h), weight, bias)`` on tensor cores with HF's RMSNorm folded into the
     operand's loads (no launch of its own): ``h = x`` or, with ``residual``, ``h = x +
@@ -322,10 +387,13 @@ def skinny_dot_rms_norm_linear(
     ``x``, ``residual``: ``[M, K]`` (``M <= 16``; unit stride along K; bf16 or fp16);
     ``norm_weight``: ``[K]`` contiguous; ``weight``: ``[N, K]`` contiguous; ``bias``: ``[N]`` or
     None -> ``[M, N]``. ``h_out``: ``[M, K]`` (a new one when None and ``residual`` is given).
-    ``out``, ``config``: as for `skinny_dot_linear`. Every program reads all of ``h`` for the
-    rows' statistics (from L2: ``M * K`` elements per program).
+    ``out``, ``config``, ``rope_cos``, ``rope_sin``, ``rope_cols``: as for `skinny_dot_linear`.
+    Every program reads all of ``h`` for the rows' statistics (from L2: ``M * K`` elements per
+    program).
     """
     what = "skinny_dot_rms_norm_linear"
     out = _check_operands(what, x, weight, out)
     h_out = check_norm_operands(what, x, residual, h_out, norm_weight, bias, weight.shape[0])
-    return _launch(x, residual, weight, bias, out, config, silu_mul=False, norm_weight=norm_weight, eps=eps, h_out=h_out)
+    rope = check_rope_columns(what, x, weight.shape[0], rope_cos, rope_sin, rope_cols)
+    return _launch(x, residual, weight, bias, out, config, silu_mul=False, norm_weight=norm_weight, eps=eps, h_out=h_out,
+                   rope=rope)  # fmt: skip

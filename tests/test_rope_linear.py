@@ -1,7 +1,8 @@
 """The rotary embedding applied by a projection (`passes.fold_rope_linear`'s target): the GEMV
-rotating its first columns in its epilogue (`skinny_linear`, ``rope_cos`` / ``rope_sin`` /
-``rope_cols``), the in-place rotation of a projection's columns (`rope.rope_columns_`,
-`rope_kernel.rope_inplace`) and the linear ops that choose between them.
+and the tensor-core kernel rotating their first columns in the epilogue (`skinny_linear`,
+`skinny_dot`: ``rope_cos`` / ``rope_sin`` / ``rope_cols``), the in-place rotation of a
+projection's columns (`rope.rope_columns_`, `rope_kernel.rope_inplace`) and the linear ops
+that choose between them.
 
 The reference of a rotated projection is the same projection unrotated (the kernel with the
 same configuration, or the op's torch path), rotated by `rope.rope_reference`: the rotation
@@ -107,6 +108,39 @@ def test_every_column_rotated(device):
     assert_rotation_of(got, sl.skinny_linear(x, w), cos, sin, n)
 
 
+@pytest.mark.parametrize("cfg", [None, dict(BLOCK_N=64, BLOCK_K=32, SPLIT_K=2, num_warps=4, num_stages=1)],
+                         ids=["default", "split"])  # fmt: skip
+@pytest.mark.parametrize("d,m", [(64, 3), (32, 16), (128, 5)])
+def test_tensor_core_kernel_rotates_its_first_columns(device, cfg, d, m):
+    """`skinny_dot` (3-16 rows): the same rotation on its transposed tile, with a column block
+    narrowed to the head where the head is narrower; split K; with the norm folded too."""
+    from attngraph import skinny_dot as sd
+
+    x, w, b, cos, sin, cols = operands(d + m, m, 4, 2, d, 128, torch.bfloat16, device, bias=True)
+    plain = sd.skinny_dot_linear(x, w, b, config=cfg)
+    got = sd.skinny_dot_linear(x, w, b, config=cfg, rope_cos=cos, rope_sin=sin, rope_cols=cols)
+    assert_rotation_of(got, plain, cos, sin, cols)
+    gen = torch.Generator().manual_seed(m)
+    nw = rand(gen, 128, dtype=torch.bfloat16, device=device) + 1.0
+    plain = sd.skinny_dot_rms_norm_linear(x, nw, 1e-6, w, b, config=cfg)
+    got = sd.skinny_dot_rms_norm_linear(x, nw, 1e-6, w, b, config=cfg, rope_cos=cos, rope_sin=sin, rope_cols=cols)
+    assert_rotation_of(got, plain, cos, sin, cols)
+
+
+def test_tensor_core_kernel_refuses_heads_it_cannot_pair(device, kernel_ops, launches):
+    """Heads of 24 (pairs 12 apart) do not fit the tensor-core kernel's 16-column blocks: the
+    launcher refuses; the op takes the kernel without the rotation, then rotates the columns."""
+    from attngraph import skinny_dot as sd
+
+    assert not sd.rope_fits(24) and sd.rope_fits(80) and sd.rope_fits(64)
+    x, w, _, cos, sin, cols = operands(24, sl.MAX_ROWS + 1, 4, 2, 24, 64, torch.bfloat16, device)  # past the GEMV
+    with pytest.raises(InputError, match="power-of-two factor"):
+        sd.skinny_dot_linear(x, w, rope_cos=cos, rope_sin=sin, rope_cols=cols)
+    got = torch.ops.attngraph.linear(x[None], w, None, 0, cos, sin, cols)[0]
+    assert not launches
+    assert_rotation_of(got, sd.skinny_dot_linear(x, w), cos, sin, cols)
+
+
 def test_gemv_refuses_rotations_it_cannot_apply(device):
     x, w, _, cos, sin, cols = operands(0, 2, 2, 1, 16, 32, torch.bfloat16, device)
     bad = [
@@ -163,8 +197,8 @@ def op_operands(m: int, dtype, device):
 @pytest.mark.parametrize("m", [1, 2, 9])
 def test_ops_rotate_on_every_path(kernel_ops, launches, m):
     """`linear`, `rms_norm_linear` and `add_rms_norm_linear` with the rotation: on the GEMV for
-    up to 8 rows here (its epilogue), past it on tensor cores or torch and then
-    `rope_columns_`: each the op without the rotation, rotated."""
+    up to 8 rows here, past it on the tensor-core kernel (each in its epilogue; the norm of
+    nine rows its own launch first): each the op without the rotation, rotated."""
     x, res, nw, w, b, cos, sin, cols = op_operands(m, torch.bfloat16, kernel_ops)
     rot = dict(rope_cos=cos, rope_sin=sin, rope_cols=cols)
     calls = [

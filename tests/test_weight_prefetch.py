@@ -26,9 +26,10 @@ GEMV = dict(ROWS=1, BLOCK_N=4, BLOCK_K=1024, SPLIT_K=1, HAS_BIAS=False, SILU_MUL
 GEMV_TYPES = {**{p: "*bf16" for p in ("X", "X2", "W", "Bias", "Y", "NW", "H", "Cos", "Sin")}, "Part": "*fp32",
               "Counters": "*i32", "eps": "fp32"}  # fmt: skip
 DOT = dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, EVEN_K=True, HAS_BIAS=False, SILU_MUL=False, NORM=False,
-           RESIDUAL=False, UPCAST=False, PRECISION="tf32", SOFT_BF16=False, USE_PDL=True, LINE=64)  # fmt: skip
-DOT_TYPES = {**{p: "*bf16" for p in ("X", "X2", "W", "Bias", "Y", "NW", "H")}, "Part": "*fp32", "Counters": "*i32",
-             "eps": "fp32"}  # fmt: skip
+           RESIDUAL=False, UPCAST=False, PRECISION="tf32", SOFT_BF16=False, USE_PDL=True, LINE=64, ROPE=False,
+           ROPE_D=2)  # fmt: skip
+DOT_TYPES = {**{p: "*bf16" for p in ("X", "X2", "W", "Bias", "Y", "NW", "H", "Cos", "Sin")}, "Part": "*fp32",
+             "Counters": "*i32", "eps": "fp32"}  # fmt: skip
 #: Integer arguments Triton's launcher specializes as multiples of 16 at the projections' shapes
 #: (sizes and row strides of 2048-28672; pointers always): the compiled loads are then 16-byte.
 DIVISIBLE = ["N", "K", "k_per_split", "stride_xm", "stride_x2m", "stride_wn", "stride_ym", "stride_hm", "stride_cm",
@@ -44,6 +45,9 @@ CASES = {
     "gemv norm residual rope": ("attngraph.skinny_linear:_skinny_linear_kernel", GEMV_TYPES,
                                 {**GEMV, "NORM": True, "RESIDUAL": True, "ROPE": True, "ROPE_D": 64},
                                 dict(num_warps=4, num_stages=2)),
+    # the 1B q/k/v at 3-16 rows with the rotation in the epilogue
+    "dot rope": ("attngraph.skinny_dot:_skinny_dot_kernel", DOT_TYPES, {**DOT, "SPLIT_K": 1, "ROPE": True, "ROPE_D": 64},
+                 dict(num_warps=4, num_stages=6)),
     "dot split": ("attngraph.skinny_dot:_skinny_dot_kernel", DOT_TYPES, DOT, dict(num_warps=4, num_stages=4)),
     "dot norm residual": ("attngraph.skinny_dot:_skinny_dot_kernel", DOT_TYPES,
                           {**DOT, "SPLIT_K": 1, "NORM": True, "RESIDUAL": True, "HAS_BIAS": True},

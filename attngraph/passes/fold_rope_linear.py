@@ -3,10 +3,11 @@ the projection whose output columns are that op's q and k.
 
 After `fold_rope` a decode step's Triton kernel rotates q and the new key itself, on the
 attention's latency path. After this pass the projection's GEMV rotates them in its epilogue
-(`skinny_linear`: a head's rotate-half partners computed by one program), the attention op
-receives q and k already rotated, and no launch of the step is spent on the rotation; where
-the GEMV does not serve (more rows), the op rotates the columns in place in one launch after
-the GEMM (`attngraph.rope.rope_columns_`), as many launches as the rotation took before.
+(`skinny_linear`: a head's rotate-half partners computed by one program; at 3-16 rows the
+tensor-core kernel's, `skinny_dot`), the attention op receives q and k already rotated, and no
+launch of the step is spent on the rotation; where neither kernel serves (a prefill's rows),
+the op rotates the columns in place in one launch after the GEMM
+(`attngraph.rope.rope_columns_`), as many launches as the rotation took before.
 
 Runs in paged mode after `fold_rope` (and `skinny_linears` / `fold_rms_norm`, whose ops it
 extends). It matches an attention op carrying ``rope_cos``, ``rope_sin`` whose q and k inputs

@@ -232,7 +232,7 @@ def test_rotary_embedding_folded_into_attention_on_gpu(arch, backend, into_linea
     """``fold_rope=True``: every layer's rotation moves into the attention op (the Triton
     decode kernel applies it; FlashInfer's calls get q and k rotated by one launch first);
     with ``fold_rope_linear=True`` on into the fused q/k/v projection (the GEMV's epilogue at
-    one row; Qwen2's projection has a bias). Teacher-forced against HF eager as above, and the
+    one row, the tensor-core kernel's at more; Qwen2's projection has a bias). Teacher-forced against HF eager as above, and the
     own loop's tokens equal HF's loop's."""
     if backend == "flashinfer":
         pytest.importorskip("flashinfer")
