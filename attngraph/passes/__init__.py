@@ -9,6 +9,7 @@
 >>> skinny_linears(gm)                  # linears -> attngraph's GEMV ops, SiLU * up into down
 >>> fold_rms_norm(gm)                   # then: RMSNorm (+ residual add) into the GEMV reading it
 >>> fold_rope(gm)                       # paged: HF's rotary embedding of q and k into the attention op
+>>> fold_rope_linear(gm)                # then on into the q/k/v projection whose columns q and k are
 """
 
 from .absorb_mla import absorb_mla
@@ -16,6 +17,7 @@ from .cleanup import cleanup
 from .find_attention import find_attention
 from .fold_rms_norm import FoldNormResult, fold_rms_norm
 from .fold_rope import FoldRopeResult, fold_rope
+from .fold_rope_linear import FoldRopeLinearResult, fold_rope_linear
 from .fuse_linears import FuseResult, fuse_linears
 from .lower_attention import ATTENTION_OP, lower_attention
 from .mask_analysis import MaskPattern, NotProvable, analyze_mask
@@ -38,6 +40,8 @@ __all__ = [
     "fold_rms_norm",
     "FoldRopeResult",
     "fold_rope",
+    "FoldRopeLinearResult",
+    "fold_rope_linear",
     "FuseResult",
     "fuse_linears",
     "lower_attention",
