@@ -67,22 +67,18 @@ def test_accelerated_generate_is_token_identical(accelerated, references, count)
     assert pool.num_used_pages == 0 and pool.num_active_requests == 0
 
 
-@pytest.mark.parametrize("count,fold_norm,rope", [(1, False, False), (3, False, False), (3, True, False), (1, False, True),
-                                                  (3, False, True)],
-                         ids=["1", "3", "3-norm-in-dot", "1-rope-in-gemv", "3-rope-in-dot"])  # fmt: skip
+@pytest.mark.parametrize("count,fold_norm,rope", [(1, False, False), (3, False, False), (3, True, False), (1, False, True)],
+                         ids=["1", "3", "3-norm-in-dot", "1-rope-in-gemv"])  # fmt: skip
 def test_bf16_through_the_triton_linear_kernels_is_the_copy(monkeypatch, count, fold_norm, rope):
     """In bf16 with the linear ops' Triton kernels run by the interpreter: decode steps of one
     request take the GEMV (RMSNorm and SiLU * up folded in), of three the tensor-core kernel
     (`attngraph.skinny_dot`, after the standalone norm and SiLU-mul kernels, or with the norm
     in its loads: `linear_ops.DOT_FOLD_NORM`); the prefill takes torch. With ``rope``
-    (`fold_rope_linear`, the Triton decode kernel, also interpreted) the q/k/v GEMV rotates q
-    and k in its epilogue, the three-row steps the tensor-core kernel in its own. The tokens
-    must still be the copy."""
+    (`fold_rope_linear`) the q/k/v GEMV rotates q and k in its epilogue (the tensor-core
+    kernel's rotation: `tests/test_rope_linear.py`). The tokens must still be the copy."""
     from attngraph import linear_ops, rms_norm, skinny_dot, skinny_linear
-    from attngraph.attn_backends.triton_ops.decode_attention import interpreting
 
-    if not (skinny_linear.interpreting() and skinny_dot.interpreting() and interpreting()) \
-            or skinny_linear.interpreter_problem():  # fmt: skip
+    if not (skinny_linear.interpreting() and skinny_dot.interpreting()) or skinny_linear.interpreter_problem():
         pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1 before import; tests/conftest.py sets it)")
     monkeypatch.setattr(linear_ops, "CPU_INTERPRETER", True)
     monkeypatch.setattr(linear_ops, "DOT_FOLD_NORM", fold_norm)
@@ -104,9 +100,9 @@ def test_bf16_through_the_triton_linear_kernels_is_the_copy(monkeypatch, count, 
     name = "llama_gqa"
     batch = prompts(name, count, seed=count)
     ids, mask = left_padded(batch)
-    options = dict(attention_backend="triton", fold_rope=True, fold_rope_linear=True) if rope else {}
-    model = attngraph.accelerate(load(name, torch.bfloat16), page_size=16, kv_cache_tokens=2048, skinny_linears=True,
-                                 **{"attention_backend": "torch_native", **options})  # fmt: skip
+    options = dict(fold_rope=True, fold_rope_linear=True) if rope else {}
+    model = attngraph.accelerate(load(name, torch.bfloat16), attention_backend="torch_native", page_size=16,
+                                 kv_cache_tokens=2048, skinny_linears=True, **options)  # fmt: skip
     try:
         got = model.generate(ids, attention_mask=mask, max_new_tokens=6, **GREEDY)
     finally:
@@ -124,7 +120,7 @@ def test_bf16_through_the_triton_linear_kernels_is_the_copy(monkeypatch, count, 
 
 @pytest.mark.parametrize("name,backend,into_linear", [("llama_gqa", "torch_native", False), ("llama_gqa", "triton", False),
                                                      ("mistral_window", "triton", False), ("llama_gqa", "torch_native", True),
-                                                     ("mistral_window", "triton", True)])  # fmt: skip
+                                                     ("mistral_window", "torch_native", True)])  # fmt: skip
 def test_rotary_embedding_folded_into_attention_is_the_copy(references, monkeypatch, name, backend, into_linear):
     """`CompileConfig.fold_rope`: q and k reach the attention op unrotated with their cos / sin
     rows; the Triton backend's decode kernel rotates them (under Triton's interpreter on the
