@@ -16,6 +16,7 @@ import triton.language as tl
 
 from . import pdl
 from .attn_backends.triton_ops.decode_attention import interpreting
+from .errors import InputError
 from .pdl import gdc_launch_dependents, gdc_wait
 from .triton_math import rotate_half_rows, round_to
 
@@ -81,7 +82,8 @@ def rope_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """``x: [T, H, D]`` (unit stride along D, any other strides: columns of a projection's
     output) rotated in place by ``cos, sin: [T, D]`` in one launch. Returns ``x``."""
     if x.shape[2] > 1 and x.stride(2) != 1:
-        raise ValueError(f"rope_inplace: x needs unit stride along D; got strides {tuple(x.stride())}")
+        raise InputError(f"rope_inplace: x needs unit stride along D; got strides {tuple(x.stride())} "
+                         "(rotate a contiguous copy, or use attngraph.rope.rope_columns_)")
     _launch(x, x[:, :0], cos, sin, x, x[:, :0])
     return x
 
