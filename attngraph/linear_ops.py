@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from .errors import InputError
 from .forward_context import get_forward_context
+from .rope import check_rope_columns
 
 #: Run the kernels on CPU tensors through Triton's interpreter (needs ``TRITON_INTERPRET=1``
 #: set before import and an interpreter that works with this numpy). Off: CPU tensors take
@@ -239,33 +240,15 @@ def _check_halves(a: torch.Tensor, b: torch.Tensor) -> None:
 
 def _check_rope(what: str, x: torch.Tensor, n: int, rope_cos: torch.Tensor | None, rope_sin: torch.Tensor | None,
                 rope_cols: int) -> bool:  # fmt: skip
-    """Refuse a rotation no path applies; True when one is asked for. ``rope_cos``,
-    ``rope_sin``: ``[rows, D]`` (one per row of x flattened; not compared under symbolic sizes)
-    of x's dtype and device, ``D`` even, dividing ``0 < rope_cols <= N``."""
-    if rope_cos is None and rope_sin is None and rope_cols == 0:
-        return False
-    if rope_cos is None or rope_sin is None:
-        raise InputError(f"{what}: rope_cos and rope_sin go together")
-    d = rope_cos.shape[-1] if rope_cos.dim() == 2 else 0
-    for name, t in (("rope_cos", rope_cos), ("rope_sin", rope_sin)):
-        if t.dim() != 2 or t.dtype != x.dtype or t.device != x.device or (_static(d, t.shape[1]) and t.shape[1] != d):
-            raise InputError(f"{what}: {name} must be a {x.dtype} [rows, D] tensor on {x.device} with the other's D; got "
-                             f"{t.dtype} {tuple(t.shape)} on {t.device}")  # fmt: skip
-    if _static(d, n) and (d < 2 or d % 2 or not 0 < rope_cols <= n or rope_cols % d):
-        raise InputError(f"{what}: rope_cols must be a positive multiple of the even head dim {d} within the {n} output "
-                         f"columns; got {rope_cols}")  # fmt: skip
-    return True
+    """Refuse a rotation no path applies; True when one is asked for (`check_rope_columns`
+    without the launch's row and stride checks: safe under symbolic sizes)."""
+    return check_rope_columns(what, x, n, rope_cos, rope_sin, rope_cols, launch=False) is not None
 
 
 def _check_rope_rows(what: str, rope_cos: torch.Tensor, rope_sin: torch.Tensor, m: int) -> None:
     """The rotation's rows against the ``m`` rows of x (when the op runs)."""
     if rope_cos.shape[0] != m or rope_sin.shape[0] != m:
         raise InputError(f"{what}: rope_cos / rope_sin hold {rope_cos.shape[0]} / {rope_sin.shape[0]} rows for {m} rows of x")
-
-
-def _static(*sizes) -> bool:
-    """Whether every size is a plain int (symbolic ones, under a trace, are checked when the op runs)."""
-    return all(isinstance(s, int) for s in sizes)
 
 
 def _rotate_columns(y: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, rope_cols: int, real: int) -> torch.Tensor:

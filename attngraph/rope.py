@@ -17,7 +17,7 @@ import torch
 
 from .errors import InputError
 
-__all__ = ["apply_rope", "check_rope", "rope_columns_", "rope_reference"]
+__all__ = ["apply_rope", "check_rope", "check_rope_columns", "rope_columns_", "rope_reference"]
 
 
 def check_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -33,6 +33,41 @@ def check_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     if d % 2 or k.dtype != q.dtype or k.device != q.device:
         raise InputError(f"rope: the head dim must be even and q, k of one dtype and device; got D={d}, {q.dtype} "
                          f"and {k.dtype}")  # fmt: skip
+
+
+def check_rope_columns(what: str, x: torch.Tensor, n: int, rope_cos: torch.Tensor | None, rope_sin: torch.Tensor | None,
+                       rope_cols: int, *, launch: bool = True) -> tuple[torch.Tensor, torch.Tensor, int] | None:  # fmt: skip
+    """The rotation of a projection's first ``rope_cols`` output columns, validated against
+    ``x: [M, K]`` and ``n`` columns: ``rope_cos``, ``rope_sin`` ``[>= M, D]`` in x's dtype on its
+    device, unit stride along an even ``D`` that divides ``rope_cols <= n``. Returns ``(cos,
+    sin, rope_cols)``, or None without a rotation (no tensors and ``rope_cols = 0``).
+
+    ``launch=False`` (an op's fake implementation, under a trace): sizes may be symbolic and
+    are compared only where they are plain ints; rows and strides are left to the launch."""
+    if rope_cos is None and rope_sin is None and not rope_cols:
+        return None
+    if rope_cos is None or rope_sin is None:
+        raise InputError(f"{what}: rope_cos and rope_sin go together")
+    d = rope_cos.shape[-1] if rope_cos.dim() == 2 else 0
+    for name, t in (("rope_cos", rope_cos), ("rope_sin", rope_sin)):
+        if t.dim() != 2 or t.dtype != x.dtype or t.device != x.device or (_static(d, t.shape[1]) and t.shape[1] != d) or (
+            launch and (t.shape[0] < x.shape[0] or (d > 1 and t.stride(1) != 1))
+        ):
+            rows = f">= {x.shape[0]}" if launch else "rows"
+            raise InputError(f"{what}: {name} must be a {x.dtype} [{rows}, D] tensor on {x.device} with the other's D"
+                             f"{', unit stride along D' if launch else ''}; got {t.dtype} {tuple(t.shape)} on {t.device}")  # fmt: skip
+    if not _static(d, n):
+        return rope_cos, rope_sin, rope_cols
+    if d < 2 or d % 2 or isinstance(rope_cols, bool) or not isinstance(rope_cols, int) or not 0 < rope_cols <= n \
+            or rope_cols % d:  # fmt: skip
+        raise InputError(f"{what}: rope_cols must be a positive multiple of the even head dim {d} within the {n} "
+                         f"output columns; got {rope_cols!r}")  # fmt: skip
+    return rope_cos, rope_sin, rope_cols
+
+
+def _static(*sizes) -> bool:
+    """Whether every size is a plain int (symbolic ones, under a trace, are checked when the op runs)."""
+    return all(isinstance(s, int) for s in sizes)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -278,7 +278,7 @@ def _launch(x, x2, weight, bias, out, config, silu_mul: bool, norm_weight=None, 
             rope=None) -> torch.Tensor:  # fmt: skip
     """Launch the kernel for validated operands (``x``, ``x2``: ``[M, K]``; ``out``: ``[M, N]``;
     with ``norm_weight`` ``[K]`` the RMSNorm prologue, of ``x + x2`` into ``h_out`` when ``x2``
-    is given; with ``rope`` = `skinny_linear.check_rope_columns`'s result the rotation of the
+    is given; with ``rope`` = `rope.check_rope_columns`'s result the rotation of the
     first columns)."""
     m, k = x.shape
     n = weight.shape[0]

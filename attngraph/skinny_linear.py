@@ -40,6 +40,7 @@ from .triton_math import round_to as _round
 from .weight_prefetch import prefetch_rows_l2
 from .attn_backends.triton_ops.decode_attention import interpreter_problem, interpreting
 from .errors import InputError
+from .rope import check_rope_columns
 
 __all__ = [
     "MAX_ROWS",
@@ -478,30 +479,6 @@ def _check_rows(name: str, t: torch.Tensor, what: str) -> None:
         raise InputError(f"{what}: {name} must be bfloat16, float16 or float32; got {t.dtype}")
     if t.shape[1] > 1 and t.stride(1) != 1:
         raise InputError(f"{what}: {name} must be contiguous in its last dimension; got strides {tuple(t.stride())}")
-
-
-def check_rope_columns(what: str, x: torch.Tensor, n: int, rope_cos: torch.Tensor | None, rope_sin: torch.Tensor | None,
-                       rope_cols: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:  # fmt: skip
-    """The rotation of a projection's first ``rope_cols`` output columns, validated against
-    ``x: [M, K]`` and ``n`` columns: ``rope_cos``, ``rope_sin`` ``[>= M, D]`` in x's dtype on its
-    device, unit stride along an even ``D`` that divides ``rope_cols <= n``. Returns ``(cos,
-    sin, rope_cols)``, or None without a rotation (no tensors and ``rope_cols = 0``)."""
-    if rope_cos is None and rope_sin is None and not rope_cols:
-        return None
-    if rope_cos is None or rope_sin is None:
-        raise InputError(f"{what}: rope_cos and rope_sin go together")
-    d = rope_cos.shape[-1] if rope_cos.dim() == 2 else 0
-    for name, t in (("rope_cos", rope_cos), ("rope_sin", rope_sin)):
-        if t.dim() != 2 or t.shape[0] < x.shape[0] or t.shape[1] != d or t.dtype != x.dtype or t.device != x.device or (
-            d > 1 and t.stride(1) != 1
-        ):
-            raise InputError(f"{what}: {name} must be a {x.dtype} [>= {x.shape[0]}, D] tensor on {x.device} with the other's D, "
-                             f"unit stride along D; got {t.dtype} {tuple(t.shape)} on {t.device}")  # fmt: skip
-    if d < 2 or d % 2 or isinstance(rope_cols, bool) or not isinstance(rope_cols, int) or not 0 < rope_cols <= n \
-            or rope_cols % d:  # fmt: skip
-        raise InputError(f"{what}: rope_cols must be a positive multiple of the even head dim {d} within the {n} "
-                         f"output columns; got {rope_cols!r}")  # fmt: skip
-    return rope_cos, rope_sin, rope_cols
 
 
 def _launch(x, x2, weight, bias, out, config, silu_mul: bool, norm_weight=None, eps: float = 0.0, h_out=None,
