@@ -154,6 +154,14 @@ class CompileConfig:
         tensor-core kernel (3-16) rotates the columns in its epilogue, so the attention kernel
         reads q and k rotated and no launch is spent on the rotation; a prefill's rows rotate
         after the GEMM in one launch.
+    fold_norm_epilogue:
+        With `fold_rms_norm` (required): where the projection after a residual add + RMSNorm
+        never runs the GEMV (Llama-3.2-1B's fused gate/up, on cuBLAS) and the projection
+        before it may (the output projection), the add and the norm move into the latter's
+        epilogue (`passes.fold_norm_epilogue`): a decode step's GEMV writes the residual sum
+        and, in its last program, the normed rows, so the norm spends no launch of its own.
+        Other row counts run the projection and one norm launch, as before. Off by default
+        until timed on a GPU.
     absorb_mla:
         Paged runtime: multi-head latent attention (DeepSeek V2/V3 and kin) attends over its
         latent plus RoPE key, one KV head of ``kv_lora_rank + qk_rope_head_dim`` values per
@@ -207,6 +215,7 @@ class CompileConfig:
     fold_rms_norm: bool = True
     fold_rope: bool = False
     fold_rope_linear: bool = False
+    fold_norm_epilogue: bool = False
     absorb_mla: bool = True
     l2_prefetch_mlp_bytes: int = 0
     debug_dump_dir: str | None = None
@@ -251,12 +260,15 @@ class CompileConfig:
         if self.skinny_linears is not None and not isinstance(self.skinny_linears, bool):
             raise ConfigError(f"skinny_linears must be None (on for CUDA), True or False, got {self.skinny_linears!r}")
         for fname in ("lower_attention", "deterministic", "fuse_linears", "fold_rms_norm", "fold_rope", "fold_rope_linear",
-                      "absorb_mla"):  # fmt: skip
+                      "fold_norm_epilogue", "absorb_mla"):  # fmt: skip
             if not isinstance(getattr(self, fname), bool):  # "no" would read as True
                 raise ConfigError(f"{fname} must be True or False, got {getattr(self, fname)!r}")
         if self.fold_rope_linear and not self.fold_rope:
             raise ConfigError("fold_rope_linear moves the rotation fold_rope gave the attention op on into the projection: "
                               "set fold_rope=True with it")  # fmt: skip
+        if self.fold_norm_epilogue and not self.fold_rms_norm:
+            raise ConfigError("fold_norm_epilogue moves the add + RMSNorm fold_rms_norm gave a projection back into the "
+                              "one before it: set fold_rms_norm=True with it")  # fmt: skip
         _check_int(self.page_size, "page_size", 1)
         _check_int(self.l2_prefetch_mlp_bytes, "l2_prefetch_mlp_bytes", 0)
         _check_int(self.max_requests, "max_requests", 1)

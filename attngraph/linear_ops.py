@@ -1,5 +1,5 @@
-"""`torch.ops.attngraph.linear`, `silu_mul_linear`, `rms_norm_linear` and
-`add_rms_norm_linear`: projections of a few token rows through the Triton GEMV of
+"""`torch.ops.attngraph.linear`, `silu_mul_linear`, `rms_norm_linear`, `add_rms_norm_linear`
+and `linear_add_rms_norm`: projections of a few token rows through the Triton GEMV of
 `attngraph.skinny_linear` (with SiLU * up, or a residual add and HF's RMSNorm, folded into its
 loads), 3-16 rows through the tensor-core kernel of `attngraph.skinny_dot` (a norm or SiLU * up
 runs its own launch first), torch for everything else.
@@ -213,6 +213,12 @@ def kernel_may_serve(n: int, k: int, silu_mul: bool = False) -> bool:
     return numel <= max(KERNEL_MAX_WEIGHT, KERNEL_MAX_WEIGHT_ONE_ROW) or n >= KERNEL_MIN_HEAD_RATIO * k
 
 
+def gemv_may_serve(n: int, k: int) -> bool:
+    """Whether the GEMV (1-2 rows) runs an ``[n, k]`` weight at some row count: at most
+    `KERNEL_MAX_WEIGHT` elements, at one row `KERNEL_MAX_WEIGHT_ONE_ROW` or an output head."""
+    return n * k <= max(KERNEL_MAX_WEIGHT, KERNEL_MAX_WEIGHT_ONE_ROW) or n >= KERNEL_MIN_HEAD_RATIO * k
+
+
 def _check_linear(what: str, x: torch.Tensor, weight: torch.Tensor, inner: int) -> int:
     """Refuse what no path serves; returns N."""
     if x.dim() < 1:
@@ -400,13 +406,21 @@ def _norm_linear(x, residual, norm_weight, eps, weight, bias, rows, rope_cos=Non
         if rope and not in_kernel:
             _rotate_columns(y, rope_cos, rope_sin, rope_cols, real)
         return y.view(*x.shape[:-1], n), None if h is None else h.view(x.shape)
+    normed, h = _add_rms_norm(x, residual, norm_weight, eps)
+    return _project(normed, weight, bias, real, (rope_cos, rope_sin, rope_cols) if rope else None), h
+
+
+def _add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """``(norm_weight * rmsnorm(h), h)``, ``h = x (+ residual)`` (None without one), ``[..., K]``:
+    one launch of `attngraph.rms_norm` where it serves, else HF's ops."""
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
     if m and _norm_kernel_serves(x, norm_weight) and (residual is None or residual.stride(-1) == 1 or k == 1):
         normed, h = _norm_kernel().add_rms_norm(x.reshape(m, k), norm_weight, eps, None if residual is None else residual.reshape(m, k))
-        normed, h = normed.view(x.shape), None if h is None else h.view(x.shape)
-    else:
-        h = x + residual if residual is not None else None
-        normed = _rms_norm_torch(x if h is None else h, norm_weight, eps)
-    return _project(normed, weight, bias, real, (rope_cos, rope_sin, rope_cols) if rope else None), h
+        return normed.view(x.shape), None if h is None else h.view(x.shape)
+    h = x + residual if residual is not None else None
+    return _rms_norm_torch(x if h is None else h, norm_weight, eps), h
 
 
 def rms_norm_linear_impl(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
@@ -435,6 +449,51 @@ def add_rms_norm_linear_impl(x: torch.Tensor, residual: torch.Tensor, norm_weigh
     return y, h
 
 
+def _check_norm_after(what: str, x: torch.Tensor, n: int, residual: torch.Tensor, norm_weight: torch.Tensor) -> None:
+    """The residual and norm weight of a norm over a projection's ``[..., n]`` output."""
+    shape = (*x.shape[:-1], n)
+    if tuple(residual.shape) != shape or residual.dtype != x.dtype or residual.device != x.device:
+        raise InputError(f"{what}: residual must be a {x.dtype} {list(shape)} tensor on {x.device} like the product; got "
+                         f"{residual.dtype} {tuple(residual.shape)} on {residual.device}")  # fmt: skip
+    if norm_weight.dim() != 1 or norm_weight.shape[0] != n or norm_weight.dtype != x.dtype or norm_weight.device != x.device:
+        raise InputError(f"{what}: norm_weight must be a {x.dtype} [{n}] tensor on {x.device}; got "
+                         f"{norm_weight.dtype} {tuple(norm_weight.shape)} on {norm_weight.device}")  # fmt: skip
+
+
+def linear_add_rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
+                             norm_weight: torch.Tensor, eps: float,
+                             rows: int = ANY_ROWS) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(norm_weight * rmsnorm(h), h)`` with ``h = F.linear(x, weight, bias) + residual``: a
+    projection, the residual add after it and HF's RMSNorm of the sum (`passes.fold_norm_epilogue`:
+    a decoder layer's output projection and the norm in front of an MLP whose gate/up product
+    runs on cuBLAS). ``x: [..., K]``, ``weight: [N, K]``, ``bias: [N]`` or None, ``residual:
+    [..., N]``, ``norm_weight: [N]`` -> two ``[..., N]`` tensors.
+
+    Where the GEMV serves the projection (1-2 rows) one launch computes all three, the norm in
+    its epilogue (`skinny_linear.skinny_linear_add_rms_norm`); elsewhere the projection as
+    `linear_impl` runs it, then one RMSNorm launch (`attngraph.rms_norm`) or HF's ops: the
+    launches of before. The values are those of the separate ops either way. ``rows``: as for
+    `linear_impl` (a padded step's padding rows are left unwritten on the GEMV's path)."""
+    what = "linear_add_rms_norm"
+    k = x.shape[-1] if x.dim() else 0
+    n = _check_linear(what, x, weight, k)
+    _check_bias(bias, n, x)
+    _check_norm_after(what, x, n, residual, norm_weight)
+    m = x.numel() // k if k else 0
+    real = real_rows(rows, m)
+    plain = (n <= 1 or residual.stride(-1) == 1) and (bias is None or n <= 1 or bias.stride(0) == 1)
+    if plain and norm_weight.is_contiguous() and _use_kernel(real, k, x, weight) and n <= _norm_kernel().MAX_K:
+        normed, h = x.new_empty((m, n)), x.new_empty((m, n))
+        _kernels().skinny_linear_add_rms_norm(
+            x.reshape(m, k)[:real], weight, bias, residual.reshape(m, n)[:real], norm_weight, eps,
+            out=normed[:real], h_out=h[:real],
+        )  # fmt: skip
+        return normed.view(residual.shape), h.view(residual.shape)
+    y = linear_impl(x, weight, bias, rows)
+    normed, h = _add_rms_norm(y, residual, norm_weight, eps)
+    return normed, h
+
+
 linear = torch.library.custom_op("attngraph::linear", mutates_args=())(linear_impl)
 linear.__doc__ = linear_impl.__doc__
 silu_mul_linear = torch.library.custom_op("attngraph::silu_mul_linear", mutates_args=())(silu_mul_linear_impl)
@@ -445,6 +504,18 @@ rms_norm_linear = torch.library.custom_op("attngraph::rms_norm_linear", mutates_
 rms_norm_linear.__doc__ = rms_norm_linear_impl.__doc__
 add_rms_norm_linear = torch.library.custom_op("attngraph::add_rms_norm_linear", mutates_args=())(add_rms_norm_linear_impl)
 add_rms_norm_linear.__doc__ = add_rms_norm_linear_impl.__doc__
+
+
+linear_add_rms_norm = torch.library.custom_op("attngraph::linear_add_rms_norm", mutates_args=())(linear_add_rms_norm_impl)
+linear_add_rms_norm.__doc__ = linear_add_rms_norm_impl.__doc__
+
+
+@linear_add_rms_norm.register_fake
+def _(x, weight, bias, residual, norm_weight, eps, rows=ANY_ROWS):
+    n = _check_linear("linear_add_rms_norm", x, weight, x.shape[-1] if x.dim() else 0)
+    _check_bias(bias, n, x)
+    _check_norm_after("linear_add_rms_norm", x, n, residual, norm_weight)
+    return residual.new_empty(residual.shape), residual.new_empty(residual.shape)
 
 
 @rms_norm_linear.register_fake

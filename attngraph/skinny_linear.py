@@ -53,6 +53,7 @@ __all__ = [
     "interpreting",
     "rows_padded",
     "skinny_linear",
+    "skinny_linear_add_rms_norm",
     "skinny_rms_norm_linear",
     "skinny_silu_mul_linear",
 ]
@@ -197,6 +198,35 @@ def _output(res, c, s, in_rope, DTYPE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N
 
 
 @triton.jit
+def _add_norm_out(y, r_rows, h_rows, H, Z, NW, Counters, offs_n, mask_m, y_mask, M, N, eps, stride_hm, stride_zm,
+                  DTYPE: tl.constexpr, ROWS: tl.constexpr, BLOCK_NO: tl.constexpr, SOFT_BF16: tl.constexpr):  # fmt: skip
+    """The epilogue of ``NORM_OUT``: this block's ``h = y + r`` (``[ROWS, BLOCK_N]``, rounded to
+    ``DTYPE`` as the model's residual addition rounds it) into H; then the launch's last program
+    to count itself (an ``acq_rel`` atomic on ``Counters[0]``) reads the whole rows of ``h``
+    back and writes HF's RMSNorm of them, ``NW * (h * rstd).to(DTYPE)``, into Z (``[M, N]``),
+    by `attngraph.rms_norm`'s arithmetic (the row in one block of ``BLOCK_NO``), and puts the
+    counter back to zero for the next launch."""
+    r = tl.load(r_rows + offs_n[None, :], mask=y_mask, other=0.0).to(tl.float32)
+    tl.store(h_rows + offs_n[None, :], _round(y.to(tl.float32) + r, DTYPE, SOFT_BF16), mask=y_mask)
+    # as split-K's sum: the barrier orders every thread's stores before the atomic's release;
+    # its acquire makes the other programs' blocks visible to the last one's threads
+    tl.debug_barrier()
+    arrived = tl.atomic_add(Counters, 1, sem="acq_rel")
+    tl.debug_barrier()
+    if arrived == tl.num_programs(0) - 1:
+        offs = tl.arange(0, BLOCK_NO)
+        mask = offs < N
+        nw = tl.load(NW + offs, mask=mask, other=0.0).to(tl.float32)
+        for i in tl.static_range(ROWS):
+            if i < M:
+                h = tl.load(H + i * stride_hm + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+                rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / N + eps)
+                normed = _round(h * rstd, DTYPE, SOFT_BF16).to(tl.float32)
+                tl.store(Z + i * stride_zm + offs, _round(nw * normed, DTYPE, SOFT_BF16), mask=mask)
+        tl.store(Counters, 0)  # every program has counted: ready for the next launch
+
+
+@triton.jit
 def _skinny_linear_kernel(
     X, X2, W, Bias, Y, Part, Counters, NW, H, Cos, Sin,
     M, N, K, k_per_split, eps, rope_cols,
@@ -204,7 +234,7 @@ def _skinny_linear_kernel(
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
     SOFT_BF16: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr,
-    ROPE: tl.constexpr, ROPE_D: tl.constexpr,
+    ROPE: tl.constexpr, ROPE_D: tl.constexpr, NORM_OUT: tl.constexpr, BLOCK_NO: tl.constexpr,
 ):  # fmt: skip
     """``Y[:M] = h @ W^T (+ Bias)`` with ``h = X``; with ``SILU_MUL``, ``h = silu(X) * X2``
     (fp32, rounded to X's dtype); with ``NORM``, ``h = NW * rmsnorm(X)`` (HF's RMSNorm, ``eps``)
@@ -218,7 +248,10 @@ def _skinny_linear_kernel(
     ``USE_PDL``): the rest of the program's weight range is asked into L2 before the wait
     (`attngraph.weight_prefetch`, ``LINE`` elements per line). ``ROPE``: columns
     ``[0, rope_cols)`` are heads of ``ROPE_D`` that leave rotated by HF's rotate-half RoPE with
-    row ``r``'s ``Cos[r]``, ``Sin[r]`` (``[ROPE_D]``, rows ``stride_cm`` / ``stride_sm`` apart)."""
+    row ``r``'s ``Cos[r]``, ``Sin[r]`` (``[ROPE_D]``, rows ``stride_cm`` / ``stride_sm`` apart).
+    ``NORM_OUT`` (``SPLIT_K = 1``, not with ``NORM`` or ``SILU_MUL``): the product ``y`` is not
+    stored; H (``[M, N]``) takes ``h = y + X2`` (X2 the ``[M, N]`` residual) and Y takes
+    ``NW * rmsnorm(h)`` (NW ``[N]``, ``eps``), in the launch's last program (`_add_norm_out`)."""
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns = weight rows
     rows = tl.arange(0, ROWS)  # [ROWS], the first M real
@@ -236,14 +269,14 @@ def _skinny_linear_kernel(
     # larger vocabulary or hidden size (256K x 8192) does not
     w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     x_rows = X + rows.to(tl.int64)[:, None] * stride_xm  # [ROWS, 1]
-    x2_rows = X2 + rows.to(tl.int64)[:, None] * stride_x2m  # [ROWS, 1] (read with SILU_MUL only)
+    x2_rows = X2 + rows.to(tl.int64)[:, None] * stride_x2m  # [ROWS, 1] (read with SILU_MUL, RESIDUAL, NORM_OUT)
     if SPLIT_K == 1:
         k_lo = 0
         k_hi = K
     else:
         k_lo = tl.program_id(1) * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, K)
-    h_rows = H + rows.to(tl.int64)[:, None] * stride_hm  # [ROWS, 1] (written with RESIDUAL only)
+    h_rows = H + rows.to(tl.int64)[:, None] * stride_hm  # [ROWS, 1] (written with RESIDUAL or NORM_OUT)
     DTYPE = X.dtype.element_ty
     acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
     rstd = tl.zeros([ROWS], dtype=tl.float32)  # read with NORM only
@@ -286,8 +319,12 @@ def _skinny_linear_kernel(
     if SPLIT_K == 1:
         if HAS_BIAS:
             res += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptrs, _output(res, rope_c, rope_s, in_rope, Y.dtype.element_ty, ROWS, BLOCK_N, ROPE, SOFT_BF16),
-                 mask=y_mask)  # fmt: skip
+        y = _output(res, rope_c, rope_s, in_rope, Y.dtype.element_ty, ROWS, BLOCK_N, ROPE, SOFT_BF16)
+        if NORM_OUT:
+            _add_norm_out(y, x2_rows, h_rows, H, Y, NW, Counters, offs_n, mask_m, y_mask, M, N, eps, stride_hm, stride_ym,
+                          DTYPE, ROWS, BLOCK_NO, SOFT_BF16)  # fmt: skip
+        else:
+            tl.store(y_ptrs, y, mask=y_mask)
     else:
         # This split's partials, then the column block's last program to count sums them.
         part_cols = Part + rows[:, None] * N + offs_n[None, :]  # split 0's [ROWS, BLOCK_N]
@@ -482,10 +519,14 @@ def _check_rows(name: str, t: torch.Tensor, what: str) -> None:
 
 
 def _launch(x, x2, weight, bias, out, config, silu_mul: bool, norm_weight=None, eps: float = 0.0, h_out=None,
-            rope=None) -> torch.Tensor:  # fmt: skip
+            rope=None, norm_out=None) -> torch.Tensor | None:  # fmt: skip
     """Launch the kernel for validated operands (``x``, ``x2``: ``[M, K]``; ``out``: ``[M, N]``;
     with ``norm_weight`` ``[K]`` the RMSNorm prologue, of ``x + x2`` into ``h_out`` when ``x2``
-    is given; with ``rope`` = `check_rope_columns`'s result the rotation of the first columns)."""
+    is given; with ``rope`` = `check_rope_columns`'s result the rotation of the first columns;
+    with ``norm_out = (residual, norm_weight, h_out)`` (``[M, N]``, ``[N]``, ``[M, N]``) the
+    residual add and RMSNorm epilogue into ``h_out`` and ``out``). Returns ``out``, or None
+    when ``norm_out`` needs the arrival counter and a CUDA-graph capture is under way before
+    any launch made it (the caller then takes two launches)."""
     m, k = x.shape
     n = weight.shape[0]
     norm = norm_weight is not None
@@ -495,6 +536,13 @@ def _launch(x, x2, weight, bias, out, config, silu_mul: bool, norm_weight=None, 
             h_out.copy_((x.float() + x2.float()).to(x.dtype))
         return out
     cfg = default_config(m, n, k, silu_mul=silu_mul, norm=norm) if config is None else _check_config(config)
+    norm_counter = None
+    if norm_out is not None:  # one K range: the epilogue needs each column's finished sum
+        cfg["SPLIT_K"] = 1
+        norm_counter = _COUNTERS.get(x.device, 1)
+        if norm_counter is None:
+            return None
+        x2, norm_weight, h_out = norm_out
     block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]
     rope_cos, rope_sin, rope_cols = rope if rope is not None else (x, x, 0)  # tensors read with ROPE only
     rope_d = rope_cos.shape[1] if rope is not None else 2
@@ -505,9 +553,11 @@ def _launch(x, x2, weight, bias, out, config, silu_mul: bool, norm_weight=None, 
     part = counters = out if counters is None else counters  # part and counters: read with split-K only
     if split_k > 1:
         part = torch.empty((split_k, rows_padded(m), n), dtype=torch.float32, device=x.device)
-    x2 = x2 if x2 is not None else x  # the kernel reads it with SILU_MUL or RESIDUAL only
-    h_out = h_out if h_out is not None else x  # written with RESIDUAL only
-    norm_weight = norm_weight if norm else x  # read with NORM only
+    if norm_counter is not None:
+        counters = norm_counter
+    x2 = x2 if x2 is not None else x  # the kernel reads it with SILU_MUL, RESIDUAL or NORM_OUT only
+    h_out = h_out if h_out is not None else x  # written with RESIDUAL or NORM_OUT only
+    norm_weight = norm_weight if norm or norm_out is not None else x  # read with NORM or NORM_OUT only
     use_pdl = pdl.enabled(x.device)
     prefetch = use_pdl and weight_prefetch.enabled(x.device)
     # Triton launches on the current device
@@ -523,6 +573,7 @@ def _launch(x, x2, weight, bias, out, config, silu_mul: bool, norm_weight=None, 
             SOFT_BF16=x.dtype == torch.bfloat16 and interpreting(),
             USE_PDL=use_pdl, PREFETCH=prefetch, LINE=min(weight_prefetch.line_elements(weight), block_k),
             ROPE=rope is not None, ROPE_D=rope_d,
+            NORM_OUT=norm_out is not None, BLOCK_NO=triton.next_power_of_2(n) if norm_out is not None else 1,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch_options(use_pdl),
         )  # fmt: skip
     return out
@@ -623,6 +674,51 @@ def skinny_rms_norm_linear(
     out = _check_out(out, x, x.shape[0], n)
     return _launch(x, residual, weight, bias, out, config, silu_mul=False, norm_weight=norm_weight, eps=eps, h_out=h_out,
                    rope=rope)  # fmt: skip
+
+
+def skinny_linear_add_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    *,
+    out: torch.Tensor | None = None,
+    h_out: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm_weight * rmsnorm(h), h)`` with ``h = F.linear(x, weight, bias) + residual``, in
+    one launch: the product (rounded to x's dtype, as the model's projection writes it), the
+    residual add (rounded) and HF's RMSNorm (``eps``; fp32 statistics, two roundings) in the
+    GEMV's epilogue, the norm by the launch's last program (a decoder layer's output projection
+    and the norm in front of its MLP, whose gate/up product then runs on its own).
+
+    ``x``: ``[M, K]`` (``M <= MAX_ROWS``; unit stride along K); ``weight``: ``[N, K]``
+    contiguous; ``bias``: ``[N]`` or None; ``residual``: ``[M, N]`` (unit stride along N);
+    ``norm_weight``: ``[N]`` contiguous, ``N <= rms_norm.MAX_K`` -> two ``[M, N]`` tensors
+    (``out``, ``h_out`` when given). ``config``: as for `skinny_linear` (``SPLIT_K`` is 1).
+    """
+    from .rms_norm import MAX_K, add_rms_norm
+
+    what = "skinny_linear_add_rms_norm"
+    _check_rows("x", x, what)
+    m = x.shape[0]
+    n = _check_weight(weight, x.shape[1], x, what)
+    if n > MAX_K:
+        raise InputError(f"{what}: rows of {n} output columns; the norm's one program holds at most {MAX_K}")
+    if tuple(residual.shape) != (m, n) or residual.dtype != x.dtype or residual.device != x.device:
+        raise InputError(f"{what}: residual must be a {x.dtype} [{m}, {n}] tensor on {x.device} like the product; got "
+                         f"{residual.dtype} {tuple(residual.shape)} on {residual.device}")  # fmt: skip
+    # the norm's operands, checked as those of a norm over the [M, N] rows
+    h_out = check_norm_operands(what, residual, residual, h_out, norm_weight, bias, n)
+    out = _check_out(out, x, m, n)
+    if _launch(x, None, weight, bias, out, config, silu_mul=False, eps=eps, norm_out=(residual, norm_weight, h_out)) is None:
+        y = _launch(x, None, weight, bias, torch.empty((m, n), dtype=x.dtype, device=x.device), config, silu_mul=False)
+        normed, h = add_rms_norm(y, norm_weight, eps, residual)
+        out.copy_(normed)
+        h_out.copy_(h)
+    return out, h_out
 
 
 # ----------------------------------------------------------------------------- silu(a) * b alone

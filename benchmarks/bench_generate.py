@@ -23,6 +23,8 @@ choice on the row's own prefix).
         --fold-rope on,off,linear   # the rotary embedding in the decode attention kernel, the q/k/v GEMV, or neither
     python benchmarks/bench_generate.py --shapes 1b --batches 1,16 --backends triton \
         --l2-prefetch-mlp 0,33554432   # 32 MiB of each layer's gate/up asked into L2 during attention
+    python benchmarks/bench_generate.py --shapes 1b --batches 1,16 --backends triton \
+        --norm-epilogue off,on   # the MLP's add + RMSNorm in the output projection's GEMV epilogue
     python benchmarks/plot_generate.py benchmarks/results/generate.json --png benchmarks/generate.png
 """
 
@@ -228,6 +230,9 @@ def main() -> None:
     p.add_argument("--l2-prefetch-mlp", default="0",
                    help="CompileConfig.l2_prefetch_mlp_bytes: bytes of each layer's MLP weight asked into L2 before its "
                         "decode attention, comma-separated values (0: off, the default)")  # fmt: skip
+    p.add_argument("--norm-epilogue", default="default",
+                   help="CompileConfig.fold_norm_epilogue (the MLP's residual add + RMSNorm in the output projection's "
+                        "GEMV epilogue): default (the config's), on and/or off, comma-separated")  # fmt: skip
     p.add_argument("--repeats", type=int, default=3,
                    help="timed generates per row (after one warm-up); the median step is reported, the range beside it")
     p.add_argument("--out", default=None)
@@ -242,6 +247,8 @@ def main() -> None:
         p.error(f"--dot-min-rows takes 'default' or row counts 1-16; got {', '.join(bad)}")
     if bad := [v for v in args.fold_rope.split(",") if v not in ("default", "on", "off", "linear")]:
         p.error(f"--fold-rope takes default, on, off and/or linear; got {', '.join(bad)}")
+    if bad := [v for v in args.norm_epilogue.split(",") if v not in ("default", "on", "off")]:
+        p.error(f"--norm-epilogue takes default, on and/or off; got {', '.join(bad)}")
     if bad := [v for v in args.prefetch.split(",") if v not in ("default", "on", "off")]:
         p.error(f"--prefetch takes default, on and/or off; got {', '.join(bad)}")
     if bad := [v for v in args.fold_rms_norm.split(",") if v not in ("on", "off")]:
@@ -292,13 +299,13 @@ def main() -> None:
                     except Exception as exc:
                         add("HF static cache + torch.compile", b, error=f"{type(exc).__name__}: {exc}"[:500])
                     torch._dynamo.reset()
-        variants = [(name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2) for name in args.backends.split(",") if name
+        variants = [(name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne) for name in args.backends.split(",") if name
                     for skinny in args.skinny.split(",") for fold in args.fold_rms_norm.split(",") for pdl in args.pdl.split(",")
                     for limit in args.one_row_limit.split(",") for dot in args.dot.split(",")
                     for pf in args.prefetch.split(",") for dfold in args.dot_fold_norm.split(",")
                     for dmin in args.dot_min_rows.split(",") for rope in args.fold_rope.split(",")
-                    for l2 in args.l2_prefetch_mlp.split(",")]  # fmt: skip
-        for name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2 in variants:
+                    for l2 in args.l2_prefetch_mlp.split(",") for ne in args.norm_epilogue.split(",")]  # fmt: skip
+        for name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne in variants:
             label = f"attngraph[{name}]" + ("" if skinny == "on" else " skinny_linears=False") + PDL_LABELS[pdl]
             label += "" if fold == "on" else " fold_rms_norm=False"
             label += "" if limit == "default" else f" one-row GEMV <= {limit}"
@@ -308,7 +315,10 @@ def main() -> None:
             label += "" if dmin == "default" else f" dot-min-rows={dmin}"
             label += "" if rope == "default" else f" fold-rope={rope}"
             label += "" if int(l2) == 0 else f" l2-prefetch-mlp={int(l2) >> 20}MiB"
-            rope_option = {} if rope == "default" else {"fold_rope": rope != "off", "fold_rope_linear": rope == "linear"}
+            label += "" if ne == "default" else f" norm-epilogue={ne}"
+            config_options = {} if rope == "default" else {"fold_rope": rope != "off", "fold_rope_linear": rope == "linear"}
+            if ne != "default":
+                config_options["fold_norm_epilogue"] = ne == "on"
             linear_ops.DOT_FOLD_NORM = DOT_FOLD_NORM_DEFAULT if dfold == "default" else dfold == "on"
             linear_ops.DOT_MIN_ROWS = DOT_MIN_ROWS_DEFAULT if dmin == "default" else int(dmin)
             weight_prefetch.ENABLED = prefetch_default if pf == "default" else pf == "on"  # read at capture
@@ -320,7 +330,7 @@ def main() -> None:
             t0 = time.perf_counter()
             try:
                 attngraph.accelerate(m, attention_backend=name, kv_cache_tokens=1 << 15, skinny_linears=skinny == "on",
-                                    fold_rms_norm=fold == "on", l2_prefetch_mlp_bytes=int(l2), **rope_option)  # fmt: skip
+                                    fold_rms_norm=fold == "on", l2_prefetch_mlp_bytes=int(l2), **config_options)  # fmt: skip
             except Exception as exc:  # report and go on with the next backend
                 add(label, 0, error=f"{type(exc).__name__}: {exc}"[:500])
                 continue

@@ -34,6 +34,9 @@ def test_defaults_are_valid_and_frozen():
         (dict(skinny_linears="yes"), "skinny_linears must be None"),
         (dict(deterministic=1), "deterministic"),
         (dict(lower_attention=None), "lower_attention"),
+        (dict(fold_rope_linear=True), "set fold_rope=True with it"),
+        (dict(fold_norm_epilogue=True, fold_rms_norm=False), "set fold_rms_norm=True with it"),
+        (dict(fold_norm_epilogue="on"), "fold_norm_epilogue must be True or False"),
     ],
 )
 def test_bad_values_raise_at_construction(kwargs, needle):

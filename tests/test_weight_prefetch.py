@@ -22,7 +22,7 @@ import torch
 from .sm90_compile import compile_in_child, ptxas_missing
 
 GEMV = dict(ROWS=1, BLOCK_N=4, BLOCK_K=1024, SPLIT_K=1, HAS_BIAS=False, SILU_MUL=False, NORM=False, RESIDUAL=False,
-            SOFT_BF16=False, USE_PDL=True, LINE=64, ROPE=False, ROPE_D=2)  # fmt: skip
+            SOFT_BF16=False, USE_PDL=True, LINE=64, ROPE=False, ROPE_D=2, NORM_OUT=False, BLOCK_NO=1)  # fmt: skip
 GEMV_TYPES = {**{p: "*bf16" for p in ("X", "X2", "W", "Bias", "Y", "NW", "H", "Cos", "Sin")}, "Part": "*fp32",
               "Counters": "*i32", "eps": "fp32"}  # fmt: skip
 DOT = dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, EVEN_K=True, HAS_BIAS=False, SILU_MUL=False, NORM=False,
@@ -45,6 +45,9 @@ CASES = {
     "gemv norm residual rope": ("attngraph.skinny_linear:_skinny_linear_kernel", GEMV_TYPES,
                                 {**GEMV, "NORM": True, "RESIDUAL": True, "ROPE": True, "ROPE_D": 64},
                                 dict(num_warps=4, num_stages=2)),
+    # the 1B o projection with the residual add and the MLP's RMSNorm in its epilogue
+    "gemv norm out": ("attngraph.skinny_linear:_skinny_linear_kernel", GEMV_TYPES,
+                      {**GEMV, "NORM_OUT": True, "BLOCK_NO": 2048}, dict(num_warps=4, num_stages=2)),
     # the 1B q/k/v at 3-16 rows with the rotation in the epilogue
     "dot rope": ("attngraph.skinny_dot:_skinny_dot_kernel", DOT_TYPES, {**DOT, "SPLIT_K": 1, "ROPE": True, "ROPE_D": 64},
                  dict(num_warps=4, num_stages=6)),

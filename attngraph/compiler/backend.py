@@ -19,6 +19,7 @@ from ..errors import ConfigError
 from ..passes import fx_utils as fu
 from ..passes.site import AttentionSite
 from ..passes.fuse_linears import fuse_linears
+from ..passes.fold_norm_epilogue import fold_norm_epilogue
 from ..passes.fold_rms_norm import fold_rms_norm
 from ..passes.fold_rope import fold_rope
 from ..passes.fold_rope_linear import fold_rope_linear
@@ -77,6 +78,7 @@ class AttnGraphBackend:
         self.fused_linears: list = []  # a passes.fuse_linears.FuseResult per paged graph
         self.skinny_results: list = []  # a passes.skinny_linears.SkinnyResult per paged graph rewritten
         self.norm_results: list = []  # a passes.fold_rms_norm.FoldNormResult per paged graph rewritten
+        self.norm_epilogue_results: list = []  # a passes.fold_norm_epilogue.FoldNormEpilogueResult per graph rewritten
         self.rope_results: list = []  # a passes.fold_rope.FoldRopeResult per paged graph rewritten
         self.rope_linear_results: list = []  # a passes.fold_rope_linear.FoldRopeLinearResult per graph rewritten
 
@@ -146,6 +148,8 @@ class AttnGraphBackend:
         self.skinny_results.append(skinny_linears(gm, token_inputs=self.token_inputs, row_index_inputs=self.row_index_inputs))
         if self.config.fold_rms_norm:
             self.norm_results.append(fold_rms_norm(gm))
+            if self.config.fold_norm_epilogue:
+                self.norm_epilogue_results.append(fold_norm_epilogue(gm))
         return gm
 
     def _fold_rope(self, gm: fx.GraphModule) -> fx.GraphModule:

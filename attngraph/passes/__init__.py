@@ -8,6 +8,7 @@
 >>> fuse_linears(gm, real_inputs)       # q/k/v, gate/up: one GEMM on concatenated weights
 >>> skinny_linears(gm)                  # linears -> attngraph's GEMV ops, SiLU * up into down
 >>> fold_rms_norm(gm)                   # then: RMSNorm (+ residual add) into the GEMV reading it
+>>> fold_norm_epilogue(gm)              # or, before a cuBLAS product, into the GEMV before it
 >>> fold_rope(gm)                       # paged: HF's rotary embedding of q and k into the attention op
 >>> fold_rope_linear(gm)                # then on into the q/k/v projection whose columns q and k are
 """
@@ -15,6 +16,7 @@
 from .absorb_mla import absorb_mla
 from .cleanup import cleanup
 from .find_attention import find_attention
+from .fold_norm_epilogue import FoldNormEpilogueResult, fold_norm_epilogue
 from .fold_rms_norm import FoldNormResult, fold_rms_norm
 from .fold_rope import FoldRopeResult, fold_rope
 from .fold_rope_linear import FoldRopeLinearResult, fold_rope_linear
@@ -36,6 +38,8 @@ __all__ = [
     "analyze_mask",
     "cleanup",
     "find_attention",
+    "FoldNormEpilogueResult",
+    "fold_norm_epilogue",
     "FoldNormResult",
     "fold_rms_norm",
     "FoldRopeResult",

@@ -67,15 +67,20 @@ def test_accelerated_generate_is_token_identical(accelerated, references, count)
     assert pool.num_used_pages == 0 and pool.num_active_requests == 0
 
 
-@pytest.mark.parametrize("count,fold_norm,rope", [(1, False, False), (3, False, False), (3, True, False), (1, False, True)],
-                         ids=["1", "3", "3-norm-in-dot", "1-rope-in-gemv"])  # fmt: skip
-def test_bf16_through_the_triton_linear_kernels_is_the_copy(monkeypatch, count, fold_norm, rope):
+@pytest.mark.parametrize("count,fold_norm,rope,epilogue", [(1, False, False, False), (3, False, False, False),
+                                                            (3, True, False, False), (1, False, True, False),
+                                                            (1, False, False, True)],
+                         ids=["1", "3", "3-norm-in-dot", "1-rope-in-gemv", "1-norm-epilogue"])  # fmt: skip
+def test_bf16_through_the_triton_linear_kernels_is_the_copy(monkeypatch, count, fold_norm, rope, epilogue):
     """In bf16 with the linear ops' Triton kernels run by the interpreter: decode steps of one
     request take the GEMV (RMSNorm and SiLU * up folded in), of three the tensor-core kernel
     (`attngraph.skinny_dot`, after the standalone norm and SiLU-mul kernels, or with the norm
     in its loads: `linear_ops.DOT_FOLD_NORM`); the prefill takes torch. With ``rope``
     (`fold_rope_linear`) the q/k/v GEMV rotates q and k in its epilogue (the tensor-core
-    kernel's rotation: `tests/test_rope_linear.py`). The tokens must still be the copy."""
+    kernel's rotation: `tests/test_rope_linear.py`). With ``epilogue`` (`fold_norm_epilogue`,
+    the pass told that the GEMV never takes the [256, 64] gate/up) the output projection's GEMV
+    adds the residual and normalizes the MLP's input in its epilogue. The tokens must still be
+    the copy."""
     from attngraph import linear_ops, rms_norm, skinny_dot, skinny_linear
 
     if not (skinny_linear.interpreting() and skinny_dot.interpreting()) or skinny_linear.interpreter_problem():
@@ -85,12 +90,15 @@ def test_bf16_through_the_triton_linear_kernels_is_the_copy(monkeypatch, count, 
     norms = []
     standalone = rms_norm.add_rms_norm
     monkeypatch.setattr(rms_norm, "add_rms_norm", lambda *a: norms.append(a[0].shape[0]) or standalone(*a))
-    launches = {"gemv": 0, "dot": 0, "rotating": 0}
+    if epilogue:  # the pass's view: the output projection [64, 256] is the GEMV's, gate/up [256, 64] is not
+        monkeypatch.setattr(linear_ops, "gemv_may_serve", lambda n, k: n <= 64)
+    launches = {"gemv": 0, "dot": 0, "rotating": 0, "epilogue": 0}
 
     def counted(launch, key):
         def run(*a, **kw):
             launches[key] += 1
             launches["rotating"] += kw.get("rope") is not None
+            launches["epilogue"] += kw.get("norm_out") is not None
             return launch(*a, **kw)
 
         return run
@@ -101,6 +109,8 @@ def test_bf16_through_the_triton_linear_kernels_is_the_copy(monkeypatch, count, 
     batch = prompts(name, count, seed=count)
     ids, mask = left_padded(batch)
     options = dict(fold_rope=True, fold_rope_linear=True) if rope else {}
+    if epilogue:
+        options["fold_norm_epilogue"] = True
     model = attngraph.accelerate(load(name, torch.bfloat16), attention_backend="torch_native", page_size=16,
                                  kv_cache_tokens=2048, skinny_linears=True, **options)  # fmt: skip
     try:
@@ -116,6 +126,8 @@ def test_bf16_through_the_triton_linear_kernels_is_the_copy(monkeypatch, count, 
     assert count == 1 or (3 in norms) != fold_norm, norms
     # a kernel rotated (the GEMV or the tensor-core kernel, and accelerate's warm-up forwards)
     assert (launches["rotating"] > 0) == rope, launches
+    # the output projections' GEMVs normalized the MLP's input (and the warm-up forwards')
+    assert (launches["epilogue"] > 0) == epilogue, launches
 
 
 @pytest.mark.parametrize("name,backend,into_linear", [("llama_gqa", "torch_native", False), ("llama_gqa", "triton", False),

@@ -174,6 +174,34 @@ def test_rotary_fold_keeps_the_tokens(arch, impl):
         assert all(len(r.folded) == model.config.num_hidden_layers for r in results)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3", "gemma"])
+def test_norm_epilogue_fold_keeps_the_tokens(arch, monkeypatch):
+    """``fold_norm_epilogue=True`` with the GEMV's weight limits lowered to these models' sizes
+    (8192 elements: the 64 x 64 output projection is the GEMV's, the fused gate/up is not, as
+    at Llama-3.2-1B's real sizes): each layer's residual add and MLP norm move into the output
+    projection's op. Not matched, and still HF's tokens: Gemma's norm (``1 + weight``), which
+    `fold_rms_norm` leaves alone, and Phi-3's sum, whose addend is a dropout module's output
+    (an identity in eval mode, but no projection op)."""
+    from attngraph import linear_ops
+
+    monkeypatch.setattr(linear_ops, "KERNEL_MAX_WEIGHT", 8192)
+    monkeypatch.setattr(linear_ops, "KERNEL_MAX_WEIGHT_ONE_ROW", 8192)
+    impl = next(i for a, i in arch_impl_params() if a == arch)
+    model, reference = accelerated_pair(arch, impl, skinny_linears=True, fold_norm_epilogue=True)
+    ids, mask = left_padded_batch(model.config.vocab_size)
+    with torch.no_grad():
+        want = reference.generate(ids, attention_mask=mask, **GREEDY)
+    got = model.generate(ids, attention_mask=mask, **GREEDY)
+    assert torch.equal(got, want)
+    results = state_of(model).runner.ragged.backend.norm_epilogue_results
+    assert results
+    folded = sum(len(r.folded) for r in results)
+    if arch in ("gemma", "phi3"):
+        assert folded == 0
+    else:
+        assert folded == model.config.num_hidden_layers * len(results), [r.refused for r in results]
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma", "phi3", "qwen3"])
 def test_rotary_fold_into_the_projection_keeps_the_tokens(arch):
     """``fold_rope_linear=True`` (with the projections on attngraph's ops): where q and k are

@@ -248,3 +248,31 @@ def test_rotary_embedding_folded_into_attention_on_gpu(arch, backend, into_linea
     out = generate_teacher_forced(model, reference, ids, mask, 128)
     plain = model.generate(ids, attention_mask=mask, max_new_tokens=128, do_sample=False, pad_token_id=0, eos_token_id=None)
     assert torch.equal(plain, out.sequences)
+
+
+@pytest.mark.parametrize("arch,rope", [("llama", False), ("qwen2", True)])
+def test_norm_epilogue_on_gpu(arch, rope, monkeypatch):
+    """``fold_norm_epilogue=True`` (with the rotation in the q/k/v projection for Qwen2): each
+    layer's residual add and MLP norm run in the output projection's GEMV epilogue in decode
+    steps of one and two requests. The pass is told the GEMV never takes the wide gate/up (as at Llama-3.2-1B's
+    sizes; here both weights are small). Teacher-forced against HF eager, and the own loop's
+    tokens equal HF's loop's."""
+    from attngraph import linear_ops, skinny_linear
+
+    monkeypatch.setattr(linear_ops, "gemv_may_serve", lambda n, k: n <= k)
+    epilogues = []
+    launch = skinny_linear._launch
+    monkeypatch.setattr(skinny_linear, "_launch", lambda *a, **kw: epilogues.append(kw.get("norm_out") is not None) or launch(*a, **kw))
+    model = model_of(arch)
+    reference = copy.deepcopy(model)
+    attngraph.accelerate(model, attention_backend="triton", page_size=16, kv_cache_tokens=8192, cuda_graph_capture_sizes=(1, 2, 4),
+                         fold_norm_epilogue=True, fold_rope=rope, fold_rope_linear=rope)  # fmt: skip
+    results = state_of(model).runner.ragged.backend.norm_epilogue_results
+    assert results and all(len(r.folded) == model.config.num_hidden_layers for r in results), [r.refused for r in results]
+    assert any(epilogues)  # the one- and two-row graphs captured the epilogue's launches
+    ids, mask = batch(model.config.vocab_size)
+    for rows in (1, 2):  # decode steps of one and two token rows: the GEMV's epilogue
+        out = generate_teacher_forced(model, reference, ids[:rows], mask[:rows], 96)
+        plain = model.generate(ids[:rows], attention_mask=mask[:rows], max_new_tokens=96, do_sample=False, pad_token_id=0,
+                               eos_token_id=None)  # fmt: skip
+        assert torch.equal(plain, out.sequences)

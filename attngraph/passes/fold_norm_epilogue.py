@@ -1,0 +1,136 @@
+"""Pass `fold_norm_epilogue`: a residual add and RMSNorm that the projection after them cannot
+fold into its loads move back into the epilogue of the projection before them.
+
+After `fold_rms_norm` a decoder layer's MLP input is ``add_rms_norm_linear(residual, o, norm,
+eps, w_gate_up)`` with ``o = linear(attn, w_o)``. Where the GEMV serves ``w_gate_up`` the norm
+runs in its loads; where it does not (Llama-3.2-1B's fused gate/up, 16384 x 2048, is cuBLAS's
+at every row count) the op spends a launch on the norm alone, between the output projection's
+GEMV and cuBLAS. This pass rewrites the pair to::
+
+    normed, h = linear_add_rms_norm(attn, w_o, b_o, residual, norm, eps, rows_o)
+    y = linear(normed, w_gate_up, b_gate_up, rows)
+
+so a decode step's output-projection GEMV also adds the residual and, in its last program,
+normalizes the rows (`skinny_linear.skinny_linear_add_rms_norm`): one launch less per layer.
+At row counts the GEMV does not take, `linear_add_rms_norm` runs the projection and one norm
+launch: the launches of before. The values are those of the ops it replaces (the addition
+is the same rounded sum in either operand order).
+
+Matched: an ``attngraph.linear`` without a rotation read only by one ``add_rms_norm_linear``
+(as either addend) without a rotation. Refused, with the reason in
+`FoldNormEpilogueResult.refused`: a consumer whose weight the GEMV may take at some row count
+(the norm stays folded into its loads), a producer the GEMV never takes, a product read
+elsewhere too, a norm over more than `rms_norm.MAX_K` columns.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from .. import linear_ops  # registers the ops the pass writes
+from . import fx_utils as fu
+
+logger = logging.getLogger(__name__)
+
+_LINEAR = torch.ops.attngraph.linear.default
+_ADD_NORM_LINEAR = torch.ops.attngraph.add_rms_norm_linear.default
+#: Widest row the epilogue's one program normalizes (`attngraph.rms_norm.MAX_K`, without
+#: importing Triton here).
+MAX_NORM_COLUMNS = 16384
+
+
+@dataclass
+class FoldNormEpilogueResult:
+    """``folded``: (producer linear, consumer op) names rewritten; ``refused``: (consumer op
+    name, reason) for the add + norm sites left as they were."""
+
+    folded: list[tuple[str, str]] = field(default_factory=list)
+    refused: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _weight_shape(node) -> tuple[int, int] | None:
+    val = fu.example_value(node)
+    if not isinstance(val, torch.Tensor) or val.dim() != 2 or not all(isinstance(s, int) for s in val.shape):
+        return None
+    return int(val.shape[0]), int(val.shape[1])
+
+
+def _reason(op: fx.Node) -> str | tuple[fx.Node, fx.Node] | None:
+    """``(producer linear, residual)`` for a foldable consumer ``op``; a reason where it is an
+    add + norm site that stays; None where there is no producing linear op at all."""
+    a, b = op.args[0], op.args[1]
+    producers = [(p, r) for p, r in ((a, b), (b, a)) if fu.is_op(p, (_LINEAR,))]
+    if not producers:
+        return None
+    producer, residual = producers[0]
+    if producer is residual:
+        return "the sum adds the product to itself"
+    if len(op.args) > 7 or op.kwargs or producer.kwargs or len(producer.args) > 4:
+        return "the projection or the consumer rotates columns"
+    if len(producer.users) != 1:
+        return f"{producer.name}'s product is read elsewhere too"
+    consumer_w = _weight_shape(op.args[4])
+    producer_w = _weight_shape(producer.args[1])
+    if consumer_w is None or producer_w is None:
+        return "a weight has no static [N, K] shape"
+    if linear_ops.gemv_may_serve(*consumer_w):
+        return "the GEMV may take the consumer's weight, which then folds the norm into its loads"
+    if not linear_ops.gemv_may_serve(*producer_w):
+        return "the GEMV never takes the producer's weight"
+    if producer_w[0] > MAX_NORM_COLUMNS:
+        return f"a norm over {producer_w[0]} columns (the epilogue takes at most {MAX_NORM_COLUMNS})"
+    return producer, residual
+
+
+def _with_defaults(args: tuple, required: int) -> list:
+    """A linear op's positional arguments with the trailing ``bias`` and ``rows`` filled in
+    (``required`` arguments come before them)."""
+    defaults = [None, linear_ops.ANY_ROWS]
+    return list(args) + defaults[len(args) - required :]
+
+
+def fold_norm_epilogue(gm: fx.GraphModule) -> FoldNormEpilogueResult:
+    """Move each foldable residual add + RMSNorm into the projection before it (module
+    docstring). Mutates ``gm``; returns what it did."""
+    result = FoldNormEpilogueResult()
+    graph = gm.graph
+    for op in list(graph.nodes):
+        if not fu.is_op(op, (_ADD_NORM_LINEAR,)):
+            continue
+        found = _reason(op)
+        if found is None:
+            continue
+        if isinstance(found, str):
+            result.refused.append((op.name, found))
+            continue
+        producer, residual = found
+        outs = {u.args[1]: u for u in op.users if u.target is operator.getitem}
+        if len(outs) != len(op.users):
+            result.refused.append((op.name, "its result is read other than by index"))
+            continue
+        x, w, b, rows = _with_defaults(producer.args, 2)
+        _, _, nw, eps, w2, b2, rows2 = _with_defaults(op.args, 5)
+        with graph.inserting_before(op):
+            fused = graph.call_function(torch.ops.attngraph.linear_add_rms_norm.default, (x, w, b, residual, nw, eps, rows))
+            normed = graph.call_function(operator.getitem, (fused, 0))
+            h = graph.call_function(operator.getitem, (fused, 1))
+            y = graph.call_function(_LINEAR, (normed, w2, b2, rows2))
+        for old, new in ((outs.get(0), y), (outs.get(1), h)):
+            if old is not None:
+                new.meta.update(old.meta)
+                old.replace_all_uses_with(new)
+                graph.erase_node(old)
+        if 1 in outs:
+            normed.meta.update(outs[1].meta)  # the normed rows: h's shape and dtype
+        graph.erase_node(op)
+        graph.erase_node(producer)
+        result.folded.append((producer.name, op.name))
+    summary = f"fold_norm_epilogue: {len(result.folded)} residual add + RMSNorm sites moved into the projection before them"
+    fu.finish_rewrite(gm, logger, summary if result.folded else None, result.refused,
+                      "fold_norm_epilogue: the add + norm of %s stays: %s")  # fmt: skip
+    return result
