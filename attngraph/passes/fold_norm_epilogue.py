@@ -17,7 +17,7 @@ launch: the launches of before. The values are those of the ops it replaces (the
 is the same rounded sum in either operand order).
 
 Matched: an ``attngraph.linear`` without a rotation read only by one ``add_rms_norm_linear``
-(as either addend) without a rotation. Refused, with the reason in
+(as either addend, directly or through an eval-mode dropout: Phi-3) without a rotation. Refused, with the reason in
 `FoldNormEpilogueResult.refused`: a consumer whose weight the GEMV may take at some row count
 (the norm stays folded into its loads), a producer the GEMV never takes, a product read
 elsewhere too, a norm over more than `rms_norm.MAX_K` columns.
@@ -60,19 +60,42 @@ def _weight_shape(node) -> tuple[int, int] | None:
     return int(val.shape[0]), int(val.shape[1])
 
 
-def _reason(op: fx.Node) -> str | tuple[fx.Node, fx.Node] | None:
-    """``(producer linear, residual)`` for a foldable consumer ``op``; a reason where it is an
-    add + norm site that stays; None where there is no producing linear op at all."""
+def _identity_of(node) -> fx.Node | None:
+    """``x`` for an eval-mode dropout of it, ``F.dropout(x, p, False, False)`` (Phi-3's
+    ``resid_attn_dropout`` between the projection and the sum), else None."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is torch.nn.functional.dropout):
+        return None
+    names = ("input", "p", "training", "inplace")
+    bound = {**dict(zip(names, node.args)), **node.kwargs}
+    if set(bound) - set(names) or bound.get("training", True) is not False or bound.get("inplace", False) is not False:
+        return None
+    return bound.get("input") if isinstance(bound.get("input"), fx.Node) else None
+
+
+def _producer(addend) -> tuple[fx.Node, list[fx.Node]] | None:
+    """``(linear op, identity nodes between it and the sum)`` behind an addend, else None."""
+    between = []
+    inner = _identity_of(addend)
+    if inner is not None:
+        between.append(addend)
+        addend = inner
+    return (addend, between) if fu.is_op(addend, (_LINEAR,)) else None
+
+
+def _reason(op: fx.Node) -> str | tuple[fx.Node, fx.Node, list[fx.Node]] | None:
+    """``(producer linear, residual, identity nodes between)`` for a foldable consumer ``op``;
+    a reason where it is an add + norm site that stays; None where there is no producing
+    linear op at all."""
     a, b = op.args[0], op.args[1]
-    producers = [(p, r) for p, r in ((a, b), (b, a)) if fu.is_op(p, (_LINEAR,))]
+    producers = [(*found, r) for p, r in ((a, b), (b, a)) if (found := _producer(p)) is not None]
     if not producers:
         return None
-    producer, residual = producers[0]
-    if producer is residual:
+    producer, between, residual = producers[0]
+    if producer is residual or residual in between:
         return "the sum adds the product to itself"
     if len(op.args) > 7 or op.kwargs or producer.kwargs or len(producer.args) > 4:
         return "the projection or the consumer rotates columns"
-    if len(producer.users) != 1:
+    if any(len(n.users) != 1 for n in (producer, *between)):
         return f"{producer.name}'s product is read elsewhere too"
     consumer_w = _weight_shape(op.args[4])
     producer_w = _weight_shape(producer.args[1])
@@ -84,7 +107,7 @@ def _reason(op: fx.Node) -> str | tuple[fx.Node, fx.Node] | None:
         return "the GEMV never takes the producer's weight"
     if producer_w[0] > MAX_NORM_COLUMNS:
         return f"a norm over {producer_w[0]} columns (the epilogue takes at most {MAX_NORM_COLUMNS})"
-    return producer, residual
+    return producer, residual, between
 
 
 def _with_defaults(args: tuple, required: int) -> list:
@@ -108,7 +131,7 @@ def fold_norm_epilogue(gm: fx.GraphModule) -> FoldNormEpilogueResult:
         if isinstance(found, str):
             result.refused.append((op.name, found))
             continue
-        producer, residual = found
+        producer, residual, between = found
         outs = {u.args[1]: u for u in op.users if u.target is operator.getitem}
         if len(outs) != len(op.users):
             result.refused.append((op.name, "its result is read other than by index"))
@@ -128,7 +151,8 @@ def fold_norm_epilogue(gm: fx.GraphModule) -> FoldNormEpilogueResult:
         if 1 in outs:
             normed.meta.update(outs[1].meta)  # the normed rows: h's shape and dtype
         graph.erase_node(op)
-        graph.erase_node(producer)
+        for node in (*between, producer):  # readers first
+            graph.erase_node(node)
         result.folded.append((producer.name, op.name))
     summary = f"fold_norm_epilogue: {len(result.folded)} residual add + RMSNorm sites moved into the projection before them"
     fu.finish_rewrite(gm, logger, summary if result.folded else None, result.refused,

@@ -29,7 +29,7 @@ class Layer(torch.nn.Module):
     """``h = r + proj(a)``; ``out = up(norm(h)) (+ h read after)``: an attention block's output
     projection and residual, the MLP's norm and its wide input projection."""
 
-    def __init__(self, proj_bias=False, up_bias=True, read_product=False, swap=False, up_out=96):
+    def __init__(self, proj_bias=False, up_bias=True, read_product=False, swap=False, up_out=96, dropout=False):
         super().__init__()
         torch.manual_seed(0)
         self.proj = torch.nn.Linear(32, 32, bias=proj_bias)
@@ -38,9 +38,11 @@ class Layer(torch.nn.Module):
             self.norm.weight.normal_(1.0, 0.1)
         self.up = torch.nn.Linear(32, up_out, bias=up_bias)
         self.read_product, self.swap = read_product, swap
+        self.drop = torch.nn.Dropout(0.1) if dropout else torch.nn.Identity()
+        self.eval()
 
     def forward(self, a, r):
-        o = self.proj(a)
+        o = self.drop(self.proj(a))
         h = o + r if self.swap else r + o
         y = self.up(self.norm(h))
         extra = o.sum(-1, keepdim=True) if self.read_product else 0.0
@@ -69,9 +71,13 @@ def run(gm, real, *inputs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("proj_bias,up_bias,swap", [(False, True, False), (True, False, True)])
-def test_add_and_norm_move_into_the_projection_before(gemv_limits, dtype, proj_bias, up_bias, swap):
-    module, gm, real, result = rewritten(Layer(proj_bias=proj_bias, up_bias=up_bias, swap=swap), dtype)
+@pytest.mark.parametrize("proj_bias,up_bias,swap,dropout", [(False, True, False, False), (True, False, True, False),
+                                                            (False, False, False, True)])
+def test_add_and_norm_move_into_the_projection_before(gemv_limits, dtype, proj_bias, up_bias, swap, dropout):
+    """Biases on either projection, the sum in either order, an eval-mode dropout (Phi-3's)
+    between the projection and the sum (removed with it)."""
+    module, gm, real, result = rewritten(Layer(proj_bias=proj_bias, up_bias=up_bias, swap=swap, dropout=dropout), dtype)
+    assert not any(n.target is torch.nn.functional.dropout for n in gm.graph.nodes)
     assert count(gm, LINEAR_ADD_NORM) == 1 and count(gm, ADD_NORM_LINEAR) == 0
     assert count(gm, LINEAR) == 1  # up, reading the normed rows
     assert len(result.folded) == 1 and not result.refused
