@@ -23,7 +23,9 @@ from attngraph import rms_norm  # noqa: E402
 from attngraph import skinny_linear as sl  # noqa: E402
 from attngraph.errors import InputError  # noqa: E402
 
-from .test_skinny_linear import _poison_empty, config, device, kernel_ops, launches, rand  # noqa: E402,F401
+from .test_skinny_linear import (  # noqa: E402,F401
+    _poison_empty, config, device, kernel_ops, launches, rand, reverse_program_axis,
+)
 
 OP = torch.ops.attngraph.linear_add_rms_norm
 
@@ -56,13 +58,7 @@ def assert_same(got, want) -> None:
 @pytest.fixture
 def programs_last_to_first(monkeypatch):
     """The interpreter runs each grid's programs with the column axis (the first) reversed."""
-    if torch.cuda.is_available() or not sl.interpreting():
-        pytest.skip("orders the programs of Triton's interpreter")
-    from triton.runtime import interpreter
-
-    builder = interpreter.interpreter_builder
-    set_grid_idx = builder.set_grid_idx
-    monkeypatch.setattr(builder, "set_grid_idx", lambda x, y, z: set_grid_idx(builder.grid_dim[0] - 1 - x, y, z))
+    reverse_program_axis(monkeypatch, 0)
 
 
 # ----------------------------------------------------------------------------- the kernel

@@ -91,16 +91,27 @@ def launches(monkeypatch):
     return calls
 
 
-@pytest.fixture
-def splits_last_to_first(monkeypatch):
-    """The interpreter runs each grid's programs with the split axis (the second) reversed."""
+def reverse_program_axis(monkeypatch, axis: int):
+    """The interpreter runs each grid's programs with ``axis`` (0-2) in reverse order."""
     if torch.cuda.is_available() or not sl.interpreting():
         pytest.skip("orders the programs of Triton's interpreter")
     from triton.runtime import interpreter
 
     builder = interpreter.interpreter_builder
     set_grid_idx = builder.set_grid_idx
-    monkeypatch.setattr(builder, "set_grid_idx", lambda x, y, z: set_grid_idx(x, builder.grid_dim[1] - 1 - y, z))
+
+    def reversed_idx(*idx):
+        idx = list(idx)
+        idx[axis] = builder.grid_dim[axis] - 1 - idx[axis]
+        return set_grid_idx(*idx)
+
+    monkeypatch.setattr(builder, "set_grid_idx", reversed_idx)
+
+
+@pytest.fixture
+def splits_last_to_first(monkeypatch):
+    """The interpreter runs each grid's programs with the split axis (the second) reversed."""
+    reverse_program_axis(monkeypatch, 1)
     return monkeypatch  # .undo(): programs in order again
 
 
