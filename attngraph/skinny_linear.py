@@ -8,6 +8,10 @@ in one launch and uses each weight tile for every row:
 * grid ``(cdiv(N, BLOCK_N), SPLIT_K)``; a program owns ``BLOCK_N`` weight rows (output columns)
   and one K range, loops over it in ``BLOCK_K`` chunks, loads the ``[BLOCK_N, BLOCK_K]`` weight
   tile once (coalesced along K, 16-byte vectors) and the ``[ROWS, BLOCK_K]`` chunk of ``x``;
+  with ``num_stages = S > 1`` the loop is software-pipelined (``tl.range(num_stages=S)``):
+  the next ``S - 1`` chunks stream into shared memory (``cp.async``) while one is multiplied,
+  where a plain loop keeps one chunk per program in flight and waits out the memory latency
+  at every step (Triton pipelines only loads that feed ``tl.dot`` unless asked);
 * products go into a ``[ROWS, BLOCK_N, BLOCK_K]`` fp32 accumulator, elementwise, so the loop has
   no cross-thread traffic; one reduction over K at the end gives the ``[ROWS, BLOCK_N]`` outputs
   (no tensor cores: ROWS is at most 8);
@@ -235,6 +239,7 @@ def _skinny_linear_kernel(
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
     SOFT_BF16: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr,
     ROPE: tl.constexpr, ROPE_D: tl.constexpr, NORM_OUT: tl.constexpr, BLOCK_NO: tl.constexpr,
+    STAGES: tl.constexpr,
 ):  # fmt: skip
     """``Y[:M] = h @ W^T (+ Bias)`` with ``h = X``; with ``SILU_MUL``, ``h = silu(X) * X2``
     (fp32, rounded to X's dtype); with ``NORM``, ``h = NW * rmsnorm(X)`` (HF's RMSNorm, ``eps``)
@@ -304,7 +309,10 @@ def _skinny_linear_kernel(
     elif NORM:
         h_count = tl.where((pid_n == 0) & (tl.program_id(1) == 0), M, 0)
         rstd = _rms_rstd(x_rows, x2_rows, h_rows, K, eps, mask_m, h_count, ROWS, BLOCK_K, RESIDUAL, DTYPE, SOFT_BF16)
-    for k0 in range(k_first, k_hi, BLOCK_K):
+    # STAGES > 1: Triton's pipeliner streams the next STAGES - 1 chunks of the weight (and of x)
+    # into shared memory (cp.async) while this one is multiplied. A plain loop has one chunk in
+    # flight per program and waits out the memory latency at every step.
+    for k0 in tl.range(k_first, k_hi, BLOCK_K, num_stages=STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
         mask_k = offs_k < K
         # read once per launch: do not let the weight push x (and the next kernels' data) out of L2
@@ -368,7 +376,7 @@ def default_config(m: int, n: int, k: int, *, silu_mul: bool = False, norm: bool
       (``ROWS x BLOCK_N x BLOCK_K``) at 64 values per thread over 4 warps, halved while the
       column blocks are fewer than 3 per SM (1B's 2048-column projections: 512 programs);
     * ``num_warps``: 4, fewer when the weight tile gives a thread less than 8 elements;
-    * ``num_stages``: 2 (the loop's loads of the next chunk in flight; unmeasured);
+    * ``num_stages``: 2 (the next chunk streams in while one is multiplied);
     * ``SPLIT_K``: 1 (a ``config`` or `TUNED` entry may ask for more).
 
     ``benchmarks/bench_skinny_gemm.py`` times these against a sweep and prints the winners
@@ -574,6 +582,7 @@ def _launch(x, x2, weight, bias, out, config, silu_mul: bool, norm_weight=None, 
             USE_PDL=use_pdl, PREFETCH=prefetch, LINE=min(weight_prefetch.line_elements(weight), block_k),
             ROPE=rope is not None, ROPE_D=rope_d,
             NORM_OUT=norm_out is not None, BLOCK_NO=triton.next_power_of_2(n) if norm_out is not None else 1,
+            STAGES=cfg["num_stages"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch_options(use_pdl),
         )  # fmt: skip
     return out

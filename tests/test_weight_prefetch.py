@@ -22,7 +22,7 @@ import torch
 from .sm90_compile import compile_in_child, ptxas_missing
 
 GEMV = dict(ROWS=1, BLOCK_N=4, BLOCK_K=1024, SPLIT_K=1, HAS_BIAS=False, SILU_MUL=False, NORM=False, RESIDUAL=False,
-            SOFT_BF16=False, USE_PDL=True, LINE=64, ROPE=False, ROPE_D=2, NORM_OUT=False, BLOCK_NO=1)  # fmt: skip
+            SOFT_BF16=False, USE_PDL=True, LINE=64, ROPE=False, ROPE_D=2, NORM_OUT=False, BLOCK_NO=1, STAGES=2)  # fmt: skip
 GEMV_TYPES = {**{p: "*bf16" for p in ("X", "X2", "W", "Bias", "Y", "NW", "H", "Cos", "Sin")}, "Part": "*fp32",
               "Counters": "*i32", "eps": "fp32"}  # fmt: skip
 DOT = dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, EVEN_K=True, HAS_BIAS=False, SILU_MUL=False, NORM=False,
@@ -108,6 +108,25 @@ def test_prefetches_precede_the_wait_and_nothing_spills(compiled, case):
     # the weight's loads (marked evict_first) stay 16-byte vectors
     weight_loads = re.findall(r"ld\.global\.L1::evict_first[\w.:]*", ptx)
     assert weight_loads and all(op.endswith(".v4.b32") for op in weight_loads), sorted(set(weight_loads))
+
+
+def test_gemv_loop_streams_the_next_chunks():
+    """``STAGES > 1``: Triton's pipeliner issues the next chunks' weight and x loads as
+    ``cp.async`` copies into shared memory before the current chunk is multiplied; with
+    ``STAGES = 1`` the loop has plain loads (one chunk in flight per program). Either way
+    nothing spills, at the 1B down projection's configuration and the 8B LM head's."""
+    if (why := ptxas_missing()) is not None:
+        pytest.skip(why)
+    cases = [({**GEMV, "SILU_MUL": True, "PREFETCH": False}, 4), ({**GEMV, "BLOCK_N": 16, "BLOCK_K": 256, "PREFETCH": False}, 4)]
+    specs = [dict(kernel=CASES["gemv"][0], types=GEMV_TYPES, constexprs={**c, "STAGES": st},
+                  options=dict(num_warps=w, num_stages=st), divisible=DIVISIBLE)
+             for c, w in cases for st in (1, 3)]  # fmt: skip
+    got = compile_in_child(specs)
+    for (plain, piped), case in zip(zip(got[::2], got[1::2]), cases):
+        assert "cp.async" not in plain["ptx"], case
+        assert piped["ptx"].count("cp.async.cg.shared.global") >= 4, case  # 16-byte copies of two chunks ahead
+        assert "cp.async.wait_group" in piped["ptx"]
+        assert plain["local_bytes"] == 0 and piped["local_bytes"] == 0
 
 
 # ----------------------------------------------------------------------------- GPU
