@@ -25,7 +25,14 @@ choice on the row's own prefix).
         --l2-prefetch-mlp 0,33554432   # 32 MiB of each layer's gate/up asked into L2 during attention
     python benchmarks/bench_generate.py --shapes 1b --batches 1,16 --backends triton \
         --norm-epilogue off,on   # the MLP's add + RMSNorm in the output projection's GEMV epilogue
+    python benchmarks/bench_generate.py --shapes 1b,8b --batches 1,16 --backends triton \
+        --gemv-table tuned,unpipelined,tuned   # the GEMV's pipelined loop against one chunk in flight
     python benchmarks/plot_generate.py benchmarks/results/generate.json --png benchmarks/generate.png
+
+``--gemv-table`` sets the GEMV's launch configurations read at capture: ``tuned`` (the module's
+tables and heuristic), ``unpipelined`` (the same with ``num_stages = 1``: one weight chunk in
+flight per program) or a JSON file ``{"plain" | "silu" | "norm": {"ROWS,N,K": config}}`` whose
+entries take precedence (``ROWS`` padded to a power of two; `bench_gemv_chain.py`'s winners).
 """
 
 from __future__ import annotations
@@ -46,8 +53,30 @@ import attngraph.pdl
 from attngraph import linear_ops
 
 ONE_ROW_DEFAULT = linear_ops.KERNEL_MAX_WEIGHT_ONE_ROW
+_TUNED_DEFAULT_CONFIG = None  # skinny_linear.default_config, kept once Triton is imported
 DOT_DEFAULTS = (linear_ops.DOT_MAX_ROWS, linear_ops.DOT_MAX_WEIGHT)
 DOT_FOLD_NORM_DEFAULT, DOT_MIN_ROWS_DEFAULT = linear_ops.DOT_FOLD_NORM, linear_ops.DOT_MIN_ROWS
+
+
+def gemv_table(value: str):
+    """`skinny_linear.default_config` for ``--gemv-table``'s ``value`` (see the module's docstring)."""
+    from attngraph import skinny_linear
+
+    tuned = _TUNED_DEFAULT_CONFIG
+    if value == "tuned":
+        return tuned
+    if value == "unpipelined":
+        return lambda m, n, k, **kw: dict(tuned(m, n, k, **kw), num_stages=1)
+    with open(value) as f:
+        table = {kind: {tuple(int(v) for v in key.split(",")): cfg for key, cfg in entries.items()}
+                 for kind, entries in json.load(f).items()}  # fmt: skip
+
+    def config(m, n, k, *, silu_mul=False, norm=False):
+        kind = "silu" if silu_mul else "norm" if norm else "plain"
+        hit = table.get(kind, {}).get((skinny_linear.rows_padded(m), n, k))
+        return dict(hit) if hit is not None else tuned(m, n, k, silu_mul=silu_mul, norm=norm)
+
+    return config
 
 
 def llama_1b(layers: int) -> transformers.LlamaConfig:
@@ -233,6 +262,11 @@ def main() -> None:
     p.add_argument("--norm-epilogue", default="default",
                    help="CompileConfig.fold_norm_epilogue (the MLP's residual add + RMSNorm in the output projection's "
                         "GEMV epilogue): default (the config's), on and/or off, comma-separated")  # fmt: skip
+    p.add_argument("--gemv-table", default="tuned",
+                   help="the GEMV's configurations: tuned, unpipelined and/or JSON files, comma-separated (see above)")
+    p.add_argument("--decode-block-n", default="default",
+                   help="keys per block of the Triton decode kernel: default and/or counts (a split holds at least "
+                        "one block; 256 keys and more run on 8 warps), comma-separated")
     p.add_argument("--repeats", type=int, default=3,
                    help="timed generates per row (after one warm-up); the median step is reported, the range beside it")
     p.add_argument("--out", default=None)
@@ -264,7 +298,17 @@ def main() -> None:
                  "on a CPU `attngraph generate llama --tiny --prompt ...` compares tokens/s")  # fmt: skip
     from bench_prefill import random_model
 
-    from attngraph import weight_prefetch  # imports Triton
+    from attngraph import skinny_linear, weight_prefetch  # imports Triton
+
+    global _TUNED_DEFAULT_CONFIG
+    _TUNED_DEFAULT_CONFIG = skinny_linear.default_config
+    from attngraph.attn_backends.triton_ops import decode_attention
+
+    block_n_default, warps_default = decode_attention.decode_block_n, decode_attention.decode_num_warps
+    if bad := [v for v in args.decode_block_n.split(",") if v != "default" and not (v.isdigit() and int(v) >= 16
+                                                                                   and int(v) & (int(v) - 1) == 0)]:
+        p.error(f"--decode-block-n takes 'default' or powers of two >= 16; got {', '.join(bad)}")
+    gemv_tables = {v: gemv_table(v) for v in args.gemv_table.split(",")}  # a bad file fails here, before any timing
 
     prefetch_default = weight_prefetch.ENABLED
 
@@ -299,13 +343,14 @@ def main() -> None:
                     except Exception as exc:
                         add("HF static cache + torch.compile", b, error=f"{type(exc).__name__}: {exc}"[:500])
                     torch._dynamo.reset()
-        variants = [(name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne) for name in args.backends.split(",") if name
+        variants = [(name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn) for name in args.backends.split(",") if name
                     for skinny in args.skinny.split(",") for fold in args.fold_rms_norm.split(",") for pdl in args.pdl.split(",")
                     for limit in args.one_row_limit.split(",") for dot in args.dot.split(",")
                     for pf in args.prefetch.split(",") for dfold in args.dot_fold_norm.split(",")
                     for dmin in args.dot_min_rows.split(",") for rope in args.fold_rope.split(",")
-                    for l2 in args.l2_prefetch_mlp.split(",") for ne in args.norm_epilogue.split(",")]  # fmt: skip
-        for name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne in variants:
+                    for l2 in args.l2_prefetch_mlp.split(",") for ne in args.norm_epilogue.split(",")
+                    for gt in args.gemv_table.split(",") for dbn in args.decode_block_n.split(",")]  # fmt: skip
+        for name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn in variants:
             label = f"attngraph[{name}]" + ("" if skinny == "on" else " skinny_linears=False") + PDL_LABELS[pdl]
             label += "" if fold == "on" else " fold_rms_norm=False"
             label += "" if limit == "default" else f" one-row GEMV <= {limit}"
@@ -316,6 +361,12 @@ def main() -> None:
             label += "" if rope == "default" else f" fold-rope={rope}"
             label += "" if int(l2) == 0 else f" l2-prefetch-mlp={int(l2) >> 20}MiB"
             label += "" if ne == "default" else f" norm-epilogue={ne}"
+            label += "" if gt == "tuned" else f" gemv-table={gt}"
+            label += "" if dbn == "default" else f" decode-block-n={dbn}"
+            decode_attention.decode_block_n = block_n_default if dbn == "default" else (lambda *a, n=int(dbn): n)
+            decode_attention.decode_num_warps = (warps_default if dbn == "default" or int(dbn) < 256
+                                                 else (lambda *a: 8))  # fmt: skip
+            skinny_linear.default_config = gemv_tables[gt]  # read at capture
             config_options = {} if rope == "default" else {"fold_rope": rope != "off", "fold_rope_linear": rope == "linear"}
             if ne != "default":
                 config_options["fold_norm_epilogue"] = ne == "on"

@@ -9,7 +9,9 @@ step at batch ``--decode-batch`` (128-token context), prints:
   K/V writes and copies, other), with the launch count of each;
 * the idle time between kernels inside a step, by the classes of the kernels on either side
   (``gemm -> inductor_fused``: the GPU waits after a GEMM for the next launch);
-* the busiest kernels by name.
+* the busiest kernels by name;
+* what each kernel class and name adds to the step's span (``exposed``): with programmatic
+  dependent launch the kernels overlap and the summed durations overcount.
 
     python benchmarks/profile_kernels.py --backend triton --tokens 128,1024 --out x.json
 """
@@ -91,6 +93,26 @@ def idle_by_boundary(kernels, max_gap_us: float = 50.0) -> dict[str, list[float]
     return dict(out)
 
 
+def exposed_us(kernels) -> dict[str, float]:
+    """What each kernel adds to the step: the time from the latest end of the kernels before
+    it (or its own start, after a gap) to its end, summed per kernel name. Under programmatic
+    dependent launch a kernel starts while the one before runs and its span includes that
+    overlap; its exposed time does not, and the exposed times plus the gaps add up to the
+    step. ``kernels``: ``(start, end, name)`` in microseconds.
+
+    >>> exposed_us([(0, 4, "gemv"), (2, 9, "attention"), (10, 12, "gemv")])
+    {'gemv': 6.0, 'attention': 5.0}
+    """
+    out: dict[str, float] = defaultdict(float)
+    last_end = None
+    for start, end, name in sorted(kernels, key=lambda k: (k[1], k[0])):
+        lo = start if last_end is None else max(start, last_end)
+        if end > lo:
+            out[name] += end - lo
+        last_end = end if last_end is None else max(last_end, end)
+    return dict(out)
+
+
 def kernel_table(step, steps: int = 5) -> dict:
     """Per-step kernel time and launches of ``step``, by class and by name. ``gpu_ms``: the
     kernels' summed durations; ``gpu_busy_ms``: the time any kernel ran (`busy_us`)."""
@@ -117,6 +139,10 @@ def kernel_table(step, steps: int = 5) -> dict:
         c[0] += us
         c[1] += n
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:60]
+    exposed = exposed_us(spans)
+    exposed_class: dict[str, float] = defaultdict(float)
+    for name, us in exposed.items():
+        exposed_class[classify(name)] += us
     return {
         "gpu_ms": sum(us for us, _ in by_name.values()) / 1e3,
         "gpu_busy_ms": busy_us([span[:2] for span in spans]) / steps / 1e3,
@@ -125,6 +151,10 @@ def kernel_table(step, steps: int = 5) -> dict:
         "kernels": round(sum(n for _, n in by_name.values())),
         "by_class_us": {k: [round(us, 1), round(n)] for k, (us, n) in sorted(by_class.items(), key=lambda kv: -kv[1][0])},
         "top_us": [[name[:110], round(us, 1), round(n)] for name, (us, n) in top],
+        # per step: what each class / kernel adds to the step's span (`exposed_us`)
+        "exposed_us_by_class": {k: round(us / steps, 1) for k, us in sorted(exposed_class.items(), key=lambda kv: -kv[1])},
+        "exposed_top_us": [[name[:110], round(us / steps, 1), round(by_name[name][1])]
+                           for name, us in sorted(exposed.items(), key=lambda kv: -kv[1])[:30]],
     }
 
 
@@ -240,6 +270,9 @@ def main() -> None:
             print(f"   idle {us:9.1f} us  {n:4d}x  {boundary}")
         for kname, us, n in row["top_us"]:
             print(f"   {us:9.1f} us {n:4d}x  {kname}")
+        print("   exposed (what each adds to the step):", json.dumps(row["exposed_us_by_class"]))
+        for kname, us, n in row["exposed_top_us"]:
+            print(f"   exposed {us:9.1f} us {n:4d}x  {kname}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -5,6 +5,8 @@ import doctest
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -21,6 +23,41 @@ def test_profile_kernels_helpers():
         [(0, 10, "_skinny_linear_kernel"), (5, 20, "_decode_stage1_kernel"), (21, 30, "nvjet_x"), (200, 210, "nvjet_y")]
     )
     assert idle == {"attention -> gemm": [1, 1]}
+    # what each kernel adds: the exposed times and the gaps add up to the span, overlaps once
+    spans = [(0, 10, "_skinny_linear_kernel"), (5, 20, "_decode_stage1_kernel"), (6, 12, "nvjet_x"), (21, 30, "nvjet_y")]
+    exposed = profile_kernels.exposed_us(spans)
+    assert exposed == {"_skinny_linear_kernel": 10, "nvjet_x": 2, "_decode_stage1_kernel": 8, "nvjet_y": 9}
+    assert sum(exposed.values()) + 1 == 30
+
+
+def test_gemv_table_and_chain_sweep(tmp_path, monkeypatch):
+    """`bench_generate.gemv_table`: a JSON entry wins for its kind and padded row count, the
+    module's tables answer the rest, ``unpipelined`` keeps one stage; `bench_gemv_chain.sweep`
+    varies one projection and prunes tiles a thread cannot hold."""
+    import json
+
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_gemv_chain
+        import bench_generate
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    from attngraph import skinny_linear
+
+    monkeypatch.setattr(bench_generate, "_TUNED_DEFAULT_CONFIG", skinny_linear.default_config)
+    cfg = dict(BLOCK_N=2, BLOCK_K=512, num_warps=4, num_stages=3, SPLIT_K=1)
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"silu": {"1,2048,8192": cfg}}))
+    table = bench_generate.gemv_table(str(path))
+    assert table(1, 2048, 8192, silu_mul=True) == cfg
+    assert table(2, 2048, 8192, silu_mul=True) == skinny_linear.default_config(2, 2048, 8192, silu_mul=True)
+    assert table(1, 2048, 8192) == skinny_linear.default_config(1, 2048, 8192)
+    assert bench_generate.gemv_table("unpipelined")(1, 3072, 2048, norm=True)["num_stages"] == 1
+    base = dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=2, SPLIT_K=1)
+    variants = bench_gemv_chain.sweep(base, "o", 1, 2048, 2048, [2, 4, 64], [1024], [])
+    # the default itself is no variant; BLOCK_N=64 x BLOCK_K=1024 is too wide an accumulator
+    assert [o for _, o in variants] == [{"o": dict(base, BLOCK_N=2)}]
 
 
 def test_decode_step_timing_alternates_lengths_and_counts_collections(monkeypatch):
