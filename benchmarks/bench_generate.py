@@ -265,8 +265,8 @@ def main() -> None:
     p.add_argument("--gemv-table", default="tuned",
                    help="the GEMV's configurations: tuned, unpipelined and/or JSON files, comma-separated (see above)")
     p.add_argument("--decode-block-n", default="default",
-                   help="keys per block of the Triton decode kernel: default and/or counts (a split holds at least "
-                        "one block; 256 keys and more run on 8 warps), comma-separated")
+                   help="keys per block of the Triton decode kernel: default and/or counts (a split holds whole "
+                        "blocks; warps as decode_num_warps gives them), comma-separated")
     p.add_argument("--repeats", type=int, default=3,
                    help="timed generates per row (after one warm-up); the median step is reported, the range beside it")
     p.add_argument("--out", default=None)
@@ -304,7 +304,7 @@ def main() -> None:
     _TUNED_DEFAULT_CONFIG = skinny_linear.default_config
     from attngraph.attn_backends.triton_ops import decode_attention
 
-    block_n_default, warps_default = decode_attention.decode_block_n, decode_attention.decode_num_warps
+    block_n_default = decode_attention.decode_block_n
     if bad := [v for v in args.decode_block_n.split(",") if v != "default" and not (v.isdigit() and int(v) >= 16
                                                                                    and int(v) & (int(v) - 1) == 0)]:
         p.error(f"--decode-block-n takes 'default' or powers of two >= 16; got {', '.join(bad)}")
@@ -364,8 +364,6 @@ def main() -> None:
             label += "" if gt == "tuned" else f" gemv-table={gt}"
             label += "" if dbn == "default" else f" decode-block-n={dbn}"
             decode_attention.decode_block_n = block_n_default if dbn == "default" else (lambda *a, n=int(dbn): n)
-            decode_attention.decode_num_warps = (warps_default if dbn == "default" or int(dbn) < 256
-                                                 else (lambda *a: 8))  # fmt: skip
             skinny_linear.default_config = gemv_tables[gt]  # read at capture
             config_options = {} if rope == "default" else {"fold_rope": rope != "off", "fold_rope_linear": rope == "linear"}
             if ne != "default":

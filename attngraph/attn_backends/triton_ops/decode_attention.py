@@ -458,7 +458,14 @@ def check_slopes(slopes: torch.Tensor | None, num_q_heads: int, like: torch.Tens
 
 
 def decode_block_n(head_dim: int, v_head_dim: int, dtype: torch.dtype) -> int:
-    """Keys per block of stage 1 (also the split alignment)."""
+    """Keys per block of stage 1 (also the split alignment: a split holds whole blocks).
+
+    Blocks of 256 keys for heads of 64 (8 warps, `decode_num_warps`) make a split of up to 256
+    keys one block, loaded whole before the PDL wait: on an H100 the 1B batch-1 step's GPU busy
+    time fell by 15-24 us and its step time did not move (BENCHMARKS.md). Such a program holds
+    an SM's registers alone, which the bandwidth-bound large batches were not timed with, so
+    the default stays at 64 (``bench_generate.py --decode-block-n`` times others).
+    """
     if interpreting():
         return 16  # small blocks: the CPU tests' short sequences still span several blocks
     # fp32 dots run without tensor cores ("ieee"): small tiles keep compile time and registers down.
@@ -486,9 +493,10 @@ def decode_block_h(group: int, head_dim: int, v_head_dim: int, dtype: torch.dtyp
     return min(max(16, triton.next_power_of_2(group)), cap)
 
 
-def decode_num_warps(head_dim: int, v_head_dim: int) -> int:
-    """Warps per stage-1 program: 8 for the latent form's wide tiles, else 4."""
-    return 4 if max(head_dim, v_head_dim) <= 256 else 8
+def decode_num_warps(head_dim: int, v_head_dim: int, block_n: int = 64) -> int:
+    """Warps per stage-1 program: 8 for the latent form's wide tiles and blocks of 256 keys
+    (their K and V tiles held in registers across the wait), else 4."""
+    return 4 if max(head_dim, v_head_dim) <= 256 and block_n < 256 else 8
 
 
 def _check_new_kv(k_new, v_new, new_loc, k_buffer, v_buffer, bsz: int) -> None:
@@ -639,7 +647,7 @@ def decode_attention_fwd(
         HEAD_BLOCKS=head_blocks, BLOCK_DT=max(block_dt, 16), HAS_TAIL=block_dt > 0,
         NEW_KV=new_kv, MERGE=counters is not None, HAS_SINKS=sinks is not None, USE_PDL=use_pdl,
         PREFETCH=use_pdl and new_kv, ROPE=rope, SOFT_BF16=q.dtype == torch.bfloat16 and interpreting(),
-        num_warps=decode_num_warps(d, dv), num_stages=2, **pdl.launch_options(use_pdl),
+        num_warps=decode_num_warps(d, dv, block_n), num_stages=2, **pdl.launch_options(use_pdl),
     )  # fmt: skip
     if counters is not None:
         return out
