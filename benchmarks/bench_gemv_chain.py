@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_prefill import result_header  # noqa: E402
+from bench_skinny_gemm import copy_bandwidth  # noqa: E402
 
 from attngraph.skinny_linear import (  # noqa: E402
     default_config,
@@ -63,21 +64,6 @@ def projection_shapes(shape: str) -> dict[str, tuple[int, int]]:
     """``name -> (N, K)`` of the chain's GEMVs."""
     hidden, inter, qkv, vocab, _ = SHAPES[shape]
     return {"qkv": (qkv, hidden), "o": (hidden, hidden), "down": (hidden, inter), "lm_head": (vocab, hidden)}
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write counted once each)."""
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        b.copy_(a)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * a.numel() * 10 / (start.elapsed_time(end) / 1e3)
 
 
 class Chain:
