@@ -68,35 +68,39 @@ MAX_ROWS = 8
 NUM_SMS = 132
 #: Measured winners, ``(rows_padded, N, K) -> config`` (keys of `default_config`'s result),
 #: consulted before the heuristic. ``benchmarks/bench_skinny_gemm.py`` prints this literal.
+#: ``num_stages`` is 1 throughout (one weight chunk in flight per program, the loop these
+#: configurations were timed with): the pipelined loop measured the same in a 1B decode step
+#: and in `bench_gemv_chain.py`'s chain of projections on an H100, and was not timed on the
+#: H200 or at the 8B shape (BENCHMARKS.md).
 TUNED: dict[tuple[int, int, int], dict[str, int]] = {
     # H200, bf16, `bench_skinny_gemm.py --quick --rows 1,2,8 --shapes 1b,8b`: the Llama-3.2-1B
     # projections the ops give the kernel (weights of at most 2**24 elements, 1-2 rows)
-    (1, 2048, 2048): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=2, SPLIT_K=1),
-    (1, 2048, 8192): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=2, SPLIT_K=1),
-    (1, 3072, 2048): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=2, SPLIT_K=1),
-    (1, 4096, 4096): dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=2, SPLIT_K=1),
-    (2, 2048, 2048): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=2, SPLIT_K=1),
-    (2, 2048, 8192): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=2, SPLIT_K=1),
-    (2, 3072, 2048): dict(BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=2, SPLIT_K=1),
-    (2, 4096, 4096): dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3, SPLIT_K=1),
+    (1, 2048, 2048): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1, SPLIT_K=1),
+    (1, 2048, 8192): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1, SPLIT_K=1),
+    (1, 3072, 2048): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1, SPLIT_K=1),
+    (1, 4096, 4096): dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=1, SPLIT_K=1),
+    (2, 2048, 2048): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1, SPLIT_K=1),
+    (2, 2048, 8192): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1, SPLIT_K=1),
+    (2, 3072, 2048): dict(BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=1, SPLIT_K=1),
+    (2, 4096, 4096): dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=1, SPLIT_K=1),
     # one row (a captured batch of one computes its real row only): Llama-3.1-8B's q/k/v and
     # the LM heads of both, `bench_skinny_gemm.py --quick --rows 1,2,8 --shapes 1b,8b`
-    (1, 6144, 4096): dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3, SPLIT_K=1),
-    (1, 128256, 2048): dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3, SPLIT_K=1),
-    (1, 128256, 4096): dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=2, SPLIT_K=1),
+    (1, 6144, 4096): dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=1, SPLIT_K=1),
+    (1, 128256, 2048): dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=1, SPLIT_K=1),
+    (1, 128256, 4096): dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=1, SPLIT_K=1),
 }
 #: The same for `skinny_silu_mul_linear` (``K`` is the intermediate size).
 TUNED_SILU_MUL: dict[tuple[int, int, int], dict[str, int]] = {
-    (1, 2048, 8192): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=2, SPLIT_K=1),
-    (2, 2048, 8192): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=2, SPLIT_K=1),
-    (1, 4096, 14336): dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=2, SPLIT_K=1),
+    (1, 2048, 8192): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1, SPLIT_K=1),
+    (2, 2048, 8192): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1, SPLIT_K=1),
+    (1, 4096, 14336): dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=1, SPLIT_K=1),
 }
 
 #: The same for `skinny_rms_norm_linear` (every program also reads all of ``x`` for the norm).
 TUNED_NORM: dict[tuple[int, int, int], dict[str, int]] = {
     # H200, bf16, `bench_skinny_gemm.py --quick --norm --rows 1,2 --shapes 1b,8b`: where the fold
     # runs and its winner differs from `TUNED`'s (the 1B q/k/v at two rows: 6.88 against 7.54 us)
-    (2, 3072, 2048): dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=2, SPLIT_K=1),
+    (2, 3072, 2048): dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=1, SPLIT_K=1),
 }
 
 _CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K")
@@ -376,7 +380,7 @@ def default_config(m: int, n: int, k: int, *, silu_mul: bool = False, norm: bool
       (``ROWS x BLOCK_N x BLOCK_K``) at 64 values per thread over 4 warps, halved while the
       column blocks are fewer than 3 per SM (1B's 2048-column projections: 512 programs);
     * ``num_warps``: 4, fewer when the weight tile gives a thread less than 8 elements;
-    * ``num_stages``: 2 (the next chunk streams in while one is multiplied);
+    * ``num_stages``: 1 (see `TUNED`; above 1 the next chunks stream in while one is multiplied);
     * ``SPLIT_K``: 1 (a ``config`` or `TUNED` entry may ask for more).
 
     ``benchmarks/bench_skinny_gemm.py`` times these against a sweep and prints the winners
@@ -398,7 +402,7 @@ def default_config(m: int, n: int, k: int, *, silu_mul: bool = False, norm: bool
     num_warps = max(1, min(num_warps, _pow2_floor(block_n * block_k // (8 * 32))))
     # SPLIT_K stays 1: a split launch's counters cannot be made inside a CUDA-graph capture,
     # so a graph captured before the first eager split launch would sum in another order
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=2, SPLIT_K=1)
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=1, SPLIT_K=1)
 
 
 def _check_config(config: dict) -> dict[str, int]:

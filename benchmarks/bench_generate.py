@@ -26,7 +26,7 @@ choice on the row's own prefix).
     python benchmarks/bench_generate.py --shapes 1b --batches 1,16 --backends triton \
         --norm-epilogue off,on   # the MLP's add + RMSNorm in the output projection's GEMV epilogue
     python benchmarks/bench_generate.py --shapes 1b,8b --batches 1,16 --backends triton \
-        --gemv-table tuned,unpipelined,tuned   # the GEMV's pipelined loop against one chunk in flight
+        --gemv-table tuned,chain.json   # GEMV configurations of `bench_gemv_chain.py --table-out chain.json`
     python benchmarks/plot_generate.py benchmarks/results/generate.json --png benchmarks/generate.png
 
 ``--gemv-table`` sets the GEMV's launch configurations read at capture: ``tuned`` (the module's
