@@ -21,6 +21,8 @@ Numbers reported per (op, shape, backend):
   per ``kernel_ms``.
 
 torch_native is the per-request reference (a Python loop with host syncs), shown for scale.
+``--min-split-lens`` and ``--decode-block-ns`` time Triton's decode once per shortest split or
+key-block size (``--decode-block-ns 64,256 --head-dim 64 --decode-only``: the 1B's heads).
 """
 
 from __future__ import annotations
@@ -197,6 +199,8 @@ def main() -> None:
     ap.add_argument("--decode-only", action="store_true", help="no prefill shapes")
     ap.add_argument("--head-dim", type=int, default=D, help=f"head dim (default {D}; 64 is the 1B shape's)")
     ap.add_argument("--min-split-lens", default=None, help="triton: one run per decode min_split_len, e.g. 16,32,64,128")
+    ap.add_argument("--decode-block-ns", default=None,
+                    help="triton: one run per decode block size in keys (decode_block_n), e.g. 64,256")
     args = ap.parse_args()
     D = args.head_dim
     if not torch.cuda.is_available():
@@ -206,9 +210,13 @@ def main() -> None:
         decode_shapes = [tuple(int(v) for v in s.split("x")) for s in args.decode_shapes.split(",")]
     prefill_shapes = [] if args.decode_only else PREFILL_SHAPES[:1] if args.quick else PREFILL_SHAPES
     min_split_lens = [int(v) for v in args.min_split_lens.split(",")] if args.min_split_lens else None
+    block_ns = [int(v) for v in args.decode_block_ns.split(",")] if args.decode_block_ns else [None]
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_bw = copy_bandwidth_gbps()
     rows = []
+    from attngraph.attn_backends.triton_ops import decode_attention
+
+    block_n_default = decode_attention.decode_block_n
     for name in args.backends.split(","):
         try:
             backends = make_backend(name, min_split_lens)
@@ -216,7 +224,11 @@ def main() -> None:
             print(f"skipping {name}: {exc}", file=sys.stderr)
             rows.append(dict(op="-", shape=[], backend=name, error=str(exc)))
             continue
-        for label, backend in backends:
+        # triton: each backend once per decode block size (read by the kernel's launcher)
+        runs = [(f"{label}[block_n={n}]" if n else label, backend, n) for label, backend in backends
+                for n in (block_ns if name == "triton" else [None])]  # fmt: skip
+        for label, backend, block_n in runs:
+            decode_attention.decode_block_n = block_n_default if block_n is None else (lambda *a, n=block_n: n)
             work = [("decode", s) for s in decode_shapes] + [("prefill", s) for s in prefill_shapes]
             if label.endswith("[no_tc]"):  # differs from the default in decode only
                 work = work[: len(decode_shapes)]
@@ -230,6 +242,7 @@ def main() -> None:
                 print(row, file=sys.stderr)
                 rows.append(row)
                 torch.cuda.empty_cache()
+        decode_attention.decode_block_n = block_n_default
     print(markdown(rows, copy_bw))
     out = args.out or os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "results", f"attention_{time.strftime('%Y%m%d_%H%M%S')}.json"

@@ -9,6 +9,8 @@
 #   bash benchmarks/run_gpu.sh bench   # kernel benchmark, then end-to-end generate benchmark
 #   bash benchmarks/run_gpu.sh prefill # prefill steps per CUDA-graph mode, then accelerate() alone
 #   bash benchmarks/run_gpu.sh kernels # kernels per prefill / decode step, by class and name
+#   bash benchmarks/run_gpu.sh decode  # the 1B decode step: exposed time per kernel, the projections
+#                                      # alone, decode attention's key blocks alone and in the step
 #   QUICK=1 ...                        # shorter benchmark: quick kernel shapes, batch 1 only
 set -u
 OUT=${OUT:-benchmarks/results}
@@ -54,5 +56,21 @@ if [ "$stage" = kernels ]; then
             --out "$OUT/kernels_$backend.json" > "$OUT/kernels_$backend.txt" 2>&1
         echo "profile_kernels $backend rc=$?" >> "$OUT/device.txt"
     done
+fi
+if [ "$stage" = decode ]; then
+    timeout 150 python3 benchmarks/profile_kernels.py --backend triton --tokens "" --decode-batch 1 \
+        --out "$OUT/decode_kernels.json" > "$OUT/decode_kernels.log" 2>&1
+    echo "profile_kernels rc=$?" >> "$OUT/device.txt"
+    timeout 100 python3 benchmarks/bench_gemv_chain.py --shape 1b --rows 1 --sweep "" \
+        --out "$OUT/gemv_chain.json" > "$OUT/gemv_chain.md" 2>&1
+    echo "bench_gemv_chain rc=$?" >> "$OUT/device.txt"
+    timeout 100 python3 benchmarks/bench_attention.py --backends triton --decode-only --head-dim 64 \
+        --decode-shapes 1x256,1x4096,16x256,64x2048 --decode-block-ns 64,256 \
+        --out "$OUT/decode_blocks.json" > "$OUT/decode_blocks.md" 2> "$OUT/decode_blocks.log"
+    echo "bench_attention rc=$?" >> "$OUT/device.txt"
+    timeout 300 python3 benchmarks/bench_generate.py --shapes 1b --batches 1,16 --backends triton --repeats 3 \
+        --decode-block-n default,256,default --out "$OUT/generate_decode.json" 2>&1 \
+        | grep -v "it/s\|s/it" > "$OUT/generate_decode.log"
+    echo "bench_generate rc=$?" >> "$OUT/device.txt"
 fi
 echo "done" >> "$OUT/device.txt"
