@@ -41,6 +41,7 @@ import argparse
 import copy
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -291,6 +292,11 @@ def main() -> None:
         p.error(f"--pdl takes {', '.join(PDL_LABELS)}; got {', '.join(bad)}")
     if bad := [v for v in args.one_row_limit.split(",") if v != "default" and not (v.isdigit() and int(v) > 0)]:
         p.error(f"--one-row-limit takes 'default' or positive element counts; got {', '.join(bad)}")
+    if bad := [v for v in args.decode_block_n.split(",") if v != "default" and not (v.isdigit() and int(v) >= 16
+                                                                                   and int(v) & (int(v) - 1) == 0)]:
+        p.error(f"--decode-block-n takes 'default' or powers of two >= 16; got {', '.join(bad)}")
+    if bad := [v for v in args.gemv_table.split(",") if v not in ("tuned", "unpipelined") and not os.path.isfile(v)]:
+        p.error(f"--gemv-table takes tuned, unpipelined and/or JSON files; no such file: {', '.join(bad)}")
     if bad := [v for v in args.l2_prefetch_mlp.split(",") if not v.isdigit()]:
         p.error(f"--l2-prefetch-mlp takes byte counts >= 0; got {', '.join(bad)}")
     if not torch.cuda.is_available():
@@ -305,9 +311,6 @@ def main() -> None:
     from attngraph.attn_backends.triton_ops import decode_attention
 
     block_n_default = decode_attention.decode_block_n
-    if bad := [v for v in args.decode_block_n.split(",") if v != "default" and not (v.isdigit() and int(v) >= 16
-                                                                                   and int(v) & (int(v) - 1) == 0)]:
-        p.error(f"--decode-block-n takes 'default' or powers of two >= 16; got {', '.join(bad)}")
     gemv_tables = {v: gemv_table(v) for v in args.gemv_table.split(",")}  # a bad file fails here, before any timing
 
     prefetch_default = weight_prefetch.ENABLED
