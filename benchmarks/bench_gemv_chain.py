@@ -49,6 +49,7 @@ from bench_skinny_gemm import copy_bandwidth  # noqa: E402
 
 from attngraph.skinny_linear import (  # noqa: E402
     default_config,
+    rows_padded,
     skinny_linear,
     skinny_rms_norm_linear,
     skinny_silu_mul_linear,
@@ -137,8 +138,7 @@ def sweep(base: dict, name: str, rows: int, n: int, k: int, block_n, block_k, st
     grid = (block_n or [base["BLOCK_N"]], block_k or [base["BLOCK_K"]], stages or [base["num_stages"]])
     for bn, bk, st in itertools.product(*grid):
         cfg = dict(base, BLOCK_N=bn, BLOCK_K=bk, num_stages=st)
-        rows_p = 1 << (rows - 1).bit_length()
-        if bk > k or bn * bk < 8 * 32 * cfg["num_warps"] or rows_p * bn * bk > 128 * 32 * cfg["num_warps"]:
+        if bk > k or bn * bk < 8 * 32 * cfg["num_warps"] or rows_padded(rows) * bn * bk > 128 * 32 * cfg["num_warps"]:
             continue
         if cfg != base:
             out.append((f"{name} BLOCK_N={bn} BLOCK_K={bk} stages={st}", {name: cfg}))
@@ -207,11 +207,10 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     if args.table_out:  # {"plain" | "silu" | "norm": {"ROWS,N,K": config}}
-        rows_p = 1 << (args.rows - 1).bit_length()
         table: dict[str, dict] = {}
         for name, (n, k) in shapes.items():
             kind = "silu" if PROJECTIONS[name][0] else "norm" if PROJECTIONS[name][1] else "plain"
-            table.setdefault(kind, {})[f"{rows_p},{n},{k}"] = {key: v for key, v in best[name].items() if key != "ms"}
+            table.setdefault(kind, {})[f"{rows_padded(args.rows)},{n},{k}"] = {key: v for key, v in best[name].items() if key != "ms"}
         with open(args.table_out, "w") as f:
             json.dump(table, f, indent=1)
 

@@ -54,22 +54,23 @@ import attngraph.pdl
 from attngraph import linear_ops
 
 ONE_ROW_DEFAULT = linear_ops.KERNEL_MAX_WEIGHT_ONE_ROW
-_TUNED_DEFAULT_CONFIG = None  # skinny_linear.default_config, kept once Triton is imported
 DOT_DEFAULTS = (linear_ops.DOT_MAX_ROWS, linear_ops.DOT_MAX_WEIGHT)
 DOT_FOLD_NORM_DEFAULT, DOT_MIN_ROWS_DEFAULT = linear_ops.DOT_FOLD_NORM, linear_ops.DOT_MIN_ROWS
 
 
-def gemv_table(value: str):
-    """`skinny_linear.default_config` for ``--gemv-table``'s ``value`` (see the module's docstring)."""
+def gemv_table(value: str, tuned):
+    """The `skinny_linear.default_config` to capture with for ``--gemv-table``'s ``value`` (see
+    the module's docstring), over ``tuned`` (the module's own). A file's configurations are
+    checked as the kernel's launcher checks them (`InputError` names a bad key or value)."""
     from attngraph import skinny_linear
 
-    tuned = _TUNED_DEFAULT_CONFIG
     if value == "tuned":
         return tuned
     if value == "unpipelined":
         return lambda m, n, k, **kw: dict(tuned(m, n, k, **kw), num_stages=1)
     with open(value) as f:
-        table = {kind: {tuple(int(v) for v in key.split(",")): cfg for key, cfg in entries.items()}
+        table = {kind: {tuple(int(v) for v in key.split(",")): skinny_linear._check_config(cfg)
+                        for key, cfg in entries.items()}
                  for kind, entries in json.load(f).items()}  # fmt: skip
 
     def config(m, n, k, *, silu_mul=False, norm=False):
@@ -306,12 +307,11 @@ def main() -> None:
 
     from attngraph import skinny_linear, weight_prefetch  # imports Triton
 
-    global _TUNED_DEFAULT_CONFIG
-    _TUNED_DEFAULT_CONFIG = skinny_linear.default_config
+    tuned_config = skinny_linear.default_config
     from attngraph.attn_backends.triton_ops import decode_attention
 
     block_n_default = decode_attention.decode_block_n
-    gemv_tables = {v: gemv_table(v) for v in args.gemv_table.split(",")}  # a bad file fails here, before any timing
+    gemv_tables = {v: gemv_table(v, tuned_config) for v in args.gemv_table.split(",")}  # a bad file fails here, before any timing
 
     prefetch_default = weight_prefetch.ENABLED
 

@@ -30,7 +30,7 @@ def test_profile_kernels_helpers():
     assert sum(exposed.values()) + 1 == 30
 
 
-def test_gemv_table_and_chain_sweep(tmp_path, monkeypatch):
+def test_gemv_table_and_chain_sweep(tmp_path):
     """`bench_generate.gemv_table`: a JSON entry wins for its kind and padded row count, the
     module's tables answer the rest, ``unpipelined`` keeps one stage; `bench_gemv_chain.sweep`
     varies one projection and prunes tiles a thread cannot hold."""
@@ -44,16 +44,19 @@ def test_gemv_table_and_chain_sweep(tmp_path, monkeypatch):
     finally:
         sys.path.remove(str(BENCHMARKS))
     from attngraph import skinny_linear
+    from attngraph.errors import InputError
 
-    monkeypatch.setattr(bench_generate, "_TUNED_DEFAULT_CONFIG", skinny_linear.default_config)
     cfg = dict(BLOCK_N=2, BLOCK_K=512, num_warps=4, num_stages=3, SPLIT_K=1)
     path = tmp_path / "table.json"
     path.write_text(json.dumps({"silu": {"1,2048,8192": cfg}}))
-    table = bench_generate.gemv_table(str(path))
+    table = bench_generate.gemv_table(str(path), skinny_linear.default_config)
     assert table(1, 2048, 8192, silu_mul=True) == cfg
     assert table(2, 2048, 8192, silu_mul=True) == skinny_linear.default_config(2, 2048, 8192, silu_mul=True)
     assert table(1, 2048, 8192) == skinny_linear.default_config(1, 2048, 8192)
-    assert bench_generate.gemv_table("unpipelined")(1, 3072, 2048, norm=True)["num_stages"] == 1
+    assert bench_generate.gemv_table("unpipelined", skinny_linear.default_config)(1, 3072, 2048, norm=True)["num_stages"] == 1
+    path.write_text(json.dumps({"plain": {"1,2048,2048": dict(cfg, BLOCK_N=3)}}))
+    with pytest.raises(InputError, match="power of two"):
+        bench_generate.gemv_table(str(path), skinny_linear.default_config)
     base = dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=2, SPLIT_K=1)
     variants = bench_gemv_chain.sweep(base, "o", 1, 2048, 2048, [2, 4, 64], [1024], [])
     # the default itself is no variant; BLOCK_N=64 x BLOCK_K=1024 is too wide an accumulator
