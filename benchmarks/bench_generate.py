@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import gc
 import json
 import os
@@ -157,6 +158,10 @@ class _KeepScores(transformers.LogitsProcessor):
 #: ``--pdl``: what each setting adds to the label.
 PDL_LABELS = {"on": "", "ours": " pdl=attngraph kernels only", "off": " pdl=off"}
 
+#: The switches a row combines, in the order of its variant tuple (``--variant`` names them so).
+VARIANT_SWITCHES = ("backends", "skinny", "fold_rms_norm", "pdl", "one_row_limit", "dot", "prefetch", "dot_fold_norm",
+                    "dot_min_rows", "fold_rope", "l2_prefetch_mlp", "norm_epilogue", "gemv_table", "decode_block_n")  # fmt: skip
+
 #: ``--loops``: generate keywords per decoding loop.
 LOOPS = {"chunks": {}, "steps": {"logits_processor": transformers.LogitsProcessorList([_KeepScores()])}}
 
@@ -206,6 +211,42 @@ def decode_step_ms(model, ids, mask, new_tokens: int, repeats: int = 1,
     return out, statistics.median(steps), steps, stats
 
 
+def interleaved_steps(runs: list[dict], new_tokens: int, repeats: int) -> list[tuple]:
+    """`decode_step_ms` for several runs at once, their timed generates interleaved.
+
+    Each run is a dict of ``model``, ``ids``, ``mask``, ``extra`` (generate keywords) and
+    ``apply`` (a callable that sets the module settings the run was built with; called before
+    each of its generates). After one warm-up of each length per run, every round times each
+    run's 1- and N-token generates in turn, the runs in an order rotated by one per round, so a
+    drift of the device's or the host's speed over the minutes of a benchmark (clocks, heat)
+    meets every run alike rather than the rows timed last. Returns, per run, what
+    `decode_step_ms` returns (host stats without the collector's counts).
+    """
+    kws = [dict(attention_mask=r["mask"], do_sample=False, pad_token_id=0, eos_token_id=None, **r["extra"]) for r in runs]
+    for run, kw in zip(runs, kws):
+        run["apply"]()
+        for n in (1, new_tokens):
+            _generate_once(run["model"], run["ids"], run["mask"], n, kw)
+    walls = [{1: [], new_tokens: []} for _ in runs]
+    hosts = [{1: [], new_tokens: []} for _ in runs]
+    outs = [None] * len(runs)
+    for r in range(repeats):
+        for j in range(len(runs)):
+            i = (j + r) % len(runs)
+            runs[i]["apply"]()
+            for n in (1, new_tokens):
+                outs[i], wall, host = _generate_once(runs[i]["model"], runs[i]["ids"], runs[i]["mask"], n, kws[i])
+                walls[i][n].append(wall)
+                hosts[i][n].append(host)
+    results = []
+    for i in range(len(runs)):
+        t1, h1 = statistics.median(walls[i][1]), statistics.median(hosts[i][1])
+        steps = [(tn - t1) / (new_tokens - 1) * 1e3 for tn in walls[i][new_tokens]]
+        host_steps = [(hn - h1) / (new_tokens - 1) * 1e3 for hn in hosts[i][new_tokens]]
+        results.append((outs[i], statistics.median(steps), steps, {"host_ms_per_step": round(statistics.median(host_steps), 3)}))
+    return results
+
+
 def decode_kernels(model, batch: int, context: int) -> dict:
     """Kernels, their summed GPU time and the time any of them ran (with programmatic dependent
     launch the kernels overlap) in one decode step of an accelerated model at ``batch``."""
@@ -220,6 +261,27 @@ def decode_kernels(model, batch: int, context: int) -> dict:
     finally:
         free()
     return {"kernels": table["kernels"], "gpu_ms": round(table["gpu_ms"], 3), "gpu_busy_ms": round(table["gpu_busy_ms"], 3)}
+
+
+def variant_rows(args: argparse.Namespace, error) -> list[tuple[str, ...]]:
+    """The rows ``--variant`` asks for, as tuples in `VARIANT_SWITCHES` order: the switches a
+    spec names take its values, the others their first value. Each named value is appended to
+    its switch's list in ``args`` (so the switch's own checks cover it); ``error`` (the
+    parser's) is called on an item that is no ``NAME=VALUE`` of a switch."""
+    rows = []
+    for spec in args.variant:
+        given = {}
+        for item in [] if spec.strip() == "default" else spec.split():
+            key, eq, value = item.partition("=")
+            attr = key.replace("-", "_")
+            if not eq or attr not in VARIANT_SWITCHES or not value or "," in value:
+                names = ", ".join(name.replace("_", "-") for name in VARIANT_SWITCHES)
+                error(f"--variant {spec!r}: {item!r} is no NAME=VALUE of {names}")
+            given[attr] = value
+            if value not in getattr(args, attr).split(","):
+                setattr(args, attr, getattr(args, attr) + "," + value)
+        rows.append(tuple(given.get(attr, getattr(args, attr).split(",")[0]) for attr in VARIANT_SWITCHES))
+    return rows
 
 
 def main() -> None:
@@ -271,10 +333,18 @@ def main() -> None:
                         "blocks; warps as decode_num_warps gives them), comma-separated")
     p.add_argument("--repeats", type=int, default=3,
                    help="timed generates per row (after one warm-up); the median step is reported, the range beside it")
+    p.add_argument("--variant", action="append", default=[], metavar="SPEC",
+                   help="instead of every combination of the switches above, one row per --variant (repeatable, in "
+                        "order): SPEC is 'default' or space-separated NAME=VALUE of those switches (backends=triton "
+                        "fold-rope=linear ...); a switch it does not name takes its first value")  # fmt: skip
+    p.add_argument("--interleave", action="store_true",
+                   help="build every variant first (each holds its model copy, KV pool and graphs on the GPU), then "
+                        "time their generates in interleaved rounds, so a drift of the machine's speed meets all alike")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
+    variant_specs = variant_rows(args, p.error)
     if bad := [v for v in args.dot.split(",") if v not in ("on", "off")]:
         p.error(f"--dot takes on and/or off; got {', '.join(bad)}")
     if bad := [v for v in args.dot_fold_norm.split(",") if v not in ("default", "on", "off")]:
@@ -353,7 +423,13 @@ def main() -> None:
                     for dmin in args.dot_min_rows.split(",") for rope in args.fold_rope.split(",")
                     for l2 in args.l2_prefetch_mlp.split(",") for ne in args.norm_epilogue.split(",")
                     for gt in args.gemv_table.split(",") for dbn in args.decode_block_n.split(",")]  # fmt: skip
-        for name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn in variants:
+        if variant_specs:  # --variant: the named rows only, in their order
+            variants = variant_specs
+
+        def apply(variant: tuple) -> tuple[str, dict]:
+            """Set the module settings of ``variant`` (read at compile and capture); its label and
+            `attngraph.accelerate`'s keywords."""
+            name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn = variant
             label = f"attngraph[{name}]" + ("" if skinny == "on" else " skinny_linears=False") + PDL_LABELS[pdl]
             label += "" if fold == "on" else " fold_rms_norm=False"
             label += "" if limit == "default" else f" one-row GEMV <= {limit}"
@@ -368,9 +444,9 @@ def main() -> None:
             label += "" if dbn == "default" else f" decode-block-n={dbn}"
             decode_attention.decode_block_n = block_n_default if dbn == "default" else (lambda *a, n=int(dbn): n)
             skinny_linear.default_config = gemv_tables[gt]  # read at capture
-            config_options = {} if rope == "default" else {"fold_rope": rope != "off", "fold_rope_linear": rope == "linear"}
+            options = {} if rope == "default" else {"fold_rope": rope != "off", "fold_rope_linear": rope == "linear"}
             if ne != "default":
-                config_options["fold_norm_epilogue"] = ne == "on"
+                options["fold_norm_epilogue"] = ne == "on"
             linear_ops.DOT_FOLD_NORM = DOT_FOLD_NORM_DEFAULT if dfold == "default" else dfold == "on"
             linear_ops.DOT_MIN_ROWS = DOT_MIN_ROWS_DEFAULT if dmin == "default" else int(dmin)
             weight_prefetch.ENABLED = prefetch_default if pf == "default" else pf == "on"  # read at capture
@@ -378,27 +454,60 @@ def main() -> None:
             linear_ops.DOT_MAX_ROWS, linear_ops.DOT_MAX_WEIGHT = (DOT_DEFAULTS if dot == "on" else (0, 0))
             attngraph.pdl.ENABLED, attngraph.pdl.INDUCTOR = pdl != "off", pdl == "on"  # read at compile and capture
             linear_ops.KERNEL_MAX_WEIGHT_ONE_ROW = ONE_ROW_DEFAULT if limit == "default" else int(limit)
+            options.update(attention_backend=name, kv_cache_tokens=1 << 15, skinny_linears=skinny == "on",
+                           fold_rms_norm=fold == "on", l2_prefetch_mlp_bytes=int(l2))  # fmt: skip
+            return label, options
+
+        def build(variant: tuple):
+            """``(label, accelerated copy or None, setup seconds, kernels per batch)``: the copy's
+            decode graphs of every batch captured under the variant's settings."""
+            label, options = apply(variant)
             m = copy.deepcopy(model)
             t0 = time.perf_counter()
             try:
-                attngraph.accelerate(m, attention_backend=name, kv_cache_tokens=1 << 15, skinny_linears=skinny == "on",
-                                    fold_rms_norm=fold == "on", l2_prefetch_mlp_bytes=int(l2), **config_options)  # fmt: skip
-            except Exception as exc:  # report and go on with the next backend
+                attngraph.accelerate(m, **options)
+            except Exception as exc:  # report and go on with the next variant
                 add(label, 0, error=f"{type(exc).__name__}: {exc}"[:500])
-                continue
+                return label, None, 0.0, {}
             setup_s = time.perf_counter() - t0
-            for b in batches:
-                ids, mask = prompts(vocab, b, args.prompt)
-                kernels = decode_kernels(m, b, args.prompt)
-                for loop in args.loops.split(","):
-                    out, ms, each, host = decode_step_ms(m, ids, mask, args.new_tokens, args.repeats, **LOOPS[loop])
-                    add(label + ("" if loop == "chunks" else " step loop"), b, ms_per_step=round(ms, 3), **spread(each), **host,
-                        **kernels,
-                        teacher_forced_agreement=round(teacher_forced_agreement(model, m, out, args.prompt, mask), 4),
-                        setup_s=round(setup_s, 1))  # fmt: skip
+            return label, m, setup_s, {b: decode_kernels(m, b, args.prompt) for b in batches}
+
+        def report(label: str, m, b: int, loop: str, timed: tuple, mask, setup_s: float, kernels: dict) -> None:
+            out, ms, each, host = timed
+            add(label + ("" if loop == "chunks" else " step loop"), b, ms_per_step=round(ms, 3), **spread(each), **host,
+                **kernels, teacher_forced_agreement=round(teacher_forced_agreement(model, m, out, args.prompt, mask), 4),
+                setup_s=round(setup_s, 1))  # fmt: skip
+
+        def release(m) -> None:
             attngraph.restore(m)
             del m
             torch.cuda.empty_cache()
+
+        if not args.interleave:
+            for variant in variants:
+                label, m, setup_s, kernels = build(variant)
+                if m is None:
+                    continue
+                for b in batches:
+                    ids, mask = prompts(vocab, b, args.prompt)
+                    for loop in args.loops.split(","):
+                        timed = decode_step_ms(m, ids, mask, args.new_tokens, args.repeats, **LOOPS[loop])
+                        report(label, m, b, loop, timed, mask, setup_s, kernels[b])
+                release(m)
+        else:  # every variant built first, then their generates interleaved
+            built = [(variant, *build(variant)) for variant in variants]
+            built = [entry for entry in built if entry[2] is not None]
+            for b in batches:
+                ids, mask = prompts(vocab, b, args.prompt)
+                for loop in args.loops.split(","):
+                    runs = [dict(model=m, ids=ids, mask=mask, extra=LOOPS[loop], apply=functools.partial(apply, variant))
+                            for variant, _, m, _, _ in built]  # fmt: skip
+                    for (_, label, m, setup_s, kernels), timed in zip(built, interleaved_steps(runs, args.new_tokens,
+                                                                                               args.repeats)):  # fmt: skip
+                        report(label, m, b, loop, timed, mask, setup_s, kernels[b])
+            for _, _, m, _, _ in built:
+                release(m)
+            del built
         del model
         torch.cuda.empty_cache()
     result = dict(

@@ -102,3 +102,85 @@ def test_decode_step_timing_alternates_lengths_and_counts_collections(monkeypatc
     assert calls == [1, 9] + [1, 9] * 3
     assert out == "ids" and steps == [1000.0] * 3 and ms == 1000.0  # 1 s per token
     assert stats["host_ms_per_step"] == 500.0 and stats["gc_collections"][0] >= 1
+
+
+def test_interleaved_steps_rotate_runs_and_cancel_a_drift(monkeypatch):
+    """`bench_generate.interleaved_steps` on two stand-in models of 1.0 and 1.1 s per token on a
+    machine that slows by 1% per generate: each run's settings are applied before each of its
+    generates; the runs alternate in rotated order after one warm-up of each length; and the
+    faster run comes out faster by about the true 10%, where timing one run after the other
+    (`decode_step_ms`) lets the drift swallow the difference."""
+    import time
+
+    import torch
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_generate
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    clock = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    slowdown = [1.0]
+    applied = []
+    calls = []
+
+    class Model:
+        def __init__(self, name, per_token):
+            self.name, self.per_token = name, per_token
+
+        def generate(self, ids, max_new_tokens, **kw):
+            assert applied[-1] == self.name  # its own settings are in force
+            calls.append((self.name, max_new_tokens))
+            clock[0] += (2.0 + self.per_token * max_new_tokens) * slowdown[0]
+            slowdown[0] *= 1.01
+            return ids
+
+    fast, slow = Model("fast", 1.0), Model("slow", 1.1)
+    runs = [dict(model=m, ids="ids", mask="mask", extra={}, apply=lambda n=m.name: applied.append(n)) for m in (slow, fast)]
+    results = bench_generate.interleaved_steps(runs, 33, repeats=4)
+    assert calls[:4] == [("slow", 1), ("slow", 33), ("fast", 1), ("fast", 33)]
+    timed = [name for name, n in calls[4:] if n == 33]
+    assert timed == ["slow", "fast", "fast", "slow", "slow", "fast", "fast", "slow"]
+    (_, slow_ms, slow_steps, _), (_, fast_ms, fast_steps, _) = results
+    assert len(slow_steps) == len(fast_steps) == 4
+    assert 1.05 < slow_ms / fast_ms < 1.15
+    # the same machine timed one run after the other: the drift hides most of the difference
+    slowdown[0] = 1.0
+    applied.append("slow")
+    _, slow_alone, _, _ = bench_generate.decode_step_ms(slow, "ids", "mask", 33, repeats=4)
+    applied.append("fast")
+    _, fast_alone, _, _ = bench_generate.decode_step_ms(fast, "ids", "mask", 33, repeats=4)
+    assert slow_alone / fast_alone < 1.05
+
+
+def test_variant_rows_name_switches_and_default_the_rest():
+    """`bench_generate.variant_rows`: a spec's NAME=VALUE set those switches, the rest take their
+    flag's first value; a new value joins its flag's list (so the flag's own checks see it);
+    an unknown name or a list value is refused through the parser's error."""
+    import argparse
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_generate
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    flags = {attr: "first" for attr in bench_generate.VARIANT_SWITCHES}
+    args = argparse.Namespace(**flags, variant=["default", "fold-rope=linear decode-block-n=256", "fold-rope=first"])
+    rows = bench_generate.variant_rows(args, error=lambda msg: pytest.fail(msg))
+    index = {attr: i for i, attr in enumerate(bench_generate.VARIANT_SWITCHES)}
+    assert rows[0] == ("first",) * len(index) == rows[2]
+    assert rows[1][index["fold_rope"]] == "linear" and rows[1][index["decode_block_n"]] == "256"
+    assert sum(v != "first" for v in rows[1]) == 2
+    assert args.fold_rope == "first,linear" and args.decode_block_n == "first,256"
+
+    class Refused(Exception):
+        pass
+
+    def error(msg):
+        raise Refused(msg)
+
+    for bad in ("foo=1", "fold-rope", "fold-rope=on,off"):
+        with pytest.raises(Refused, match="is no NAME=VALUE"):
+            bench_generate.variant_rows(argparse.Namespace(**flags, variant=[bad]), error)
