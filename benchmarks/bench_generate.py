@@ -27,7 +27,17 @@ choice on the row's own prefix).
         --norm-epilogue off,on   # the MLP's add + RMSNorm in the output projection's GEMV epilogue
     python benchmarks/bench_generate.py --shapes 1b,8b --batches 1,16 --backends triton \
         --gemv-table tuned,chain.json   # GEMV configurations of `bench_gemv_chain.py --table-out chain.json`
+    python benchmarks/bench_generate.py --shapes 1b --batches 1,16 --backends triton --interleave \
+        --variant default --variant "fold-rope=linear" --variant "decode-block-n=256" --variant default
     python benchmarks/plot_generate.py benchmarks/results/generate.json --png benchmarks/generate.png
+
+Rows are every combination of the switches' values, built and timed one after the other; with
+``--variant`` (repeatable) only the rows named, each a set of switches over their first values.
+``--interleave`` builds every row first (each keeps its model copy, KV pool and CUDA graphs on
+the device) and then times their generates in rounds, the rows in an order rotated by one each
+round: a drift of the machine's speed over the minutes of a run (rows of one command timed
+sequentially have moved by 5% between the first and the last) then meets every row alike.
+Naming one row twice (an A/A pair) shows what is left of the noise.
 
 ``--gemv-table`` sets the GEMV's launch configurations read at capture: ``tuned`` (the module's
 tables and heuristic), ``unpipelined`` (the same with ``num_stages = 1``: one weight chunk in
@@ -160,7 +170,8 @@ PDL_LABELS = {"on": "", "ours": " pdl=attngraph kernels only", "off": " pdl=off"
 
 #: The switches a row combines, in the order of its variant tuple (``--variant`` names them so).
 VARIANT_SWITCHES = ("backends", "skinny", "fold_rms_norm", "pdl", "one_row_limit", "dot", "prefetch", "dot_fold_norm",
-                    "dot_min_rows", "fold_rope", "l2_prefetch_mlp", "norm_epilogue", "gemv_table", "decode_block_n")  # fmt: skip
+                    "dot_min_rows", "fold_rope", "l2_prefetch_mlp", "norm_epilogue", "gemv_table", "decode_block_n",
+                    "decode_min_split")  # fmt: skip
 
 #: ``--loops``: generate keywords per decoding loop.
 LOOPS = {"chunks": {}, "steps": {"logits_processor": transformers.LogitsProcessorList([_KeepScores()])}}
@@ -331,6 +342,9 @@ def main() -> None:
     p.add_argument("--decode-block-n", default="default",
                    help="keys per block of the Triton decode kernel: default and/or counts (a split holds whole "
                         "blocks; warps as decode_num_warps gives them), comma-separated")
+    p.add_argument("--decode-min-split", default="default",
+                   help="the Triton backend's min_split_len (a request's decode splits hold at least this many keys): "
+                        "default and/or counts, comma-separated")  # fmt: skip
     p.add_argument("--repeats", type=int, default=3,
                    help="timed generates per row (after one warm-up); the median step is reported, the range beside it")
     p.add_argument("--variant", action="append", default=[], metavar="SPEC",
@@ -366,6 +380,8 @@ def main() -> None:
     if bad := [v for v in args.decode_block_n.split(",") if v != "default" and not (v.isdigit() and int(v) >= 16
                                                                                    and int(v) & (int(v) - 1) == 0)]:
         p.error(f"--decode-block-n takes 'default' or powers of two >= 16; got {', '.join(bad)}")
+    if bad := [v for v in args.decode_min_split.split(",") if v != "default" and not (v.isdigit() and int(v) >= 1)]:
+        p.error(f"--decode-min-split takes 'default' or key counts >= 1; got {', '.join(bad)}")
     if bad := [v for v in args.gemv_table.split(",") if v not in ("tuned", "unpipelined") and not os.path.isfile(v)]:
         p.error(f"--gemv-table takes tuned, unpipelined and/or JSON files; no such file: {', '.join(bad)}")
     if bad := [v for v in args.l2_prefetch_mlp.split(",") if not v.isdigit()]:
@@ -381,6 +397,9 @@ def main() -> None:
     from attngraph.attn_backends.triton_ops import decode_attention
 
     block_n_default = decode_attention.decode_block_n
+    from attngraph.attn_backends import triton_backend
+
+    min_split_default = triton_backend.TritonBackend.__init__.__kwdefaults__["min_split_len"]
     gemv_tables = {v: gemv_table(v, tuned_config) for v in args.gemv_table.split(",")}  # a bad file fails here, before any timing
 
     prefetch_default = weight_prefetch.ENABLED
@@ -416,20 +435,21 @@ def main() -> None:
                     except Exception as exc:
                         add("HF static cache + torch.compile", b, error=f"{type(exc).__name__}: {exc}"[:500])
                     torch._dynamo.reset()
-        variants = [(name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn) for name in args.backends.split(",") if name
+        variants = [(name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn, dms) for name in args.backends.split(",") if name
                     for skinny in args.skinny.split(",") for fold in args.fold_rms_norm.split(",") for pdl in args.pdl.split(",")
                     for limit in args.one_row_limit.split(",") for dot in args.dot.split(",")
                     for pf in args.prefetch.split(",") for dfold in args.dot_fold_norm.split(",")
                     for dmin in args.dot_min_rows.split(",") for rope in args.fold_rope.split(",")
                     for l2 in args.l2_prefetch_mlp.split(",") for ne in args.norm_epilogue.split(",")
-                    for gt in args.gemv_table.split(",") for dbn in args.decode_block_n.split(",")]  # fmt: skip
+                    for gt in args.gemv_table.split(",") for dbn in args.decode_block_n.split(",")
+                    for dms in args.decode_min_split.split(",")]  # fmt: skip
         if variant_specs:  # --variant: the named rows only, in their order
             variants = variant_specs
 
         def apply(variant: tuple) -> tuple[str, dict]:
             """Set the module settings of ``variant`` (read at compile and capture); its label and
             `attngraph.accelerate`'s keywords."""
-            name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn = variant
+            name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn, dms = variant
             label = f"attngraph[{name}]" + ("" if skinny == "on" else " skinny_linears=False") + PDL_LABELS[pdl]
             label += "" if fold == "on" else " fold_rms_norm=False"
             label += "" if limit == "default" else f" one-row GEMV <= {limit}"
@@ -442,6 +462,10 @@ def main() -> None:
             label += "" if ne == "default" else f" norm-epilogue={ne}"
             label += "" if gt == "tuned" else f" gemv-table={gt}"
             label += "" if dbn == "default" else f" decode-block-n={dbn}"
+            label += "" if dms == "default" else f" decode-min-split={dms}"
+            # the constructor's default, read when accelerate makes the backend
+            triton_backend.TritonBackend.__init__.__kwdefaults__["min_split_len"] = (
+                min_split_default if dms == "default" else int(dms))  # fmt: skip
             decode_attention.decode_block_n = block_n_default if dbn == "default" else (lambda *a, n=int(dbn): n)
             skinny_linear.default_config = gemv_tables[gt]  # read at capture
             options = {} if rope == "default" else {"fold_rope": rope != "off", "fold_rope_linear": rope == "linear"}
