@@ -53,6 +53,7 @@ import functools
 import gc
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -535,7 +536,7 @@ def main() -> None:
         del model
         torch.cuda.empty_cache()
     result = dict(
-        command="python benchmarks/bench_generate.py " + " ".join(sys.argv[1:]),
+        command="python benchmarks/bench_generate.py " + shlex.join(sys.argv[1:]),
         device=torch.cuda.get_device_name(), torch=torch.__version__, transformers=transformers.__version__,
         prompt=args.prompt, new_tokens=args.new_tokens, copy_bandwidth_GBps=round(bw / 1e9),
         weight_read_floor_ms=floors, rows=rows,

@@ -182,23 +182,25 @@ def test_kernels_compile_for_hopper_without_spills():
     decode = dict(GROUP=4, PAGE_SIZE=16, HEAD_DIM=64, V_HEAD_DIM=64, BLOCK_H=16, BLOCK_N=64, BLOCK_D=64, BLOCK_DV=64,
                   HAS_CAP=False, UPCAST=False, PRECISION="tf32", HAS_ALIBI=False, HEAD_BLOCKS=1, BLOCK_DT=16,
                   HAS_TAIL=False, NEW_KV=True, MERGE=True, HAS_SINKS=False, USE_PDL=True, PREFETCH=True, ROPE=True,
-                  SOFT_BF16=False)  # fmt: skip
+                  SOFT_BF16=False, MERGE_CHUNK=8)  # fmt: skip
     strides = ["stride_qb", "stride_qh", "stride_ks", "stride_kh", "stride_vs", "stride_vh", "stride_rtp", "stride_knb",
                "stride_vnb", "stride_ob", "stride_oh", "stride_rcb", "stride_rsb"]  # fmt: skip
     rope_types = {**{p: "*bf16" for p in ("Q", "K", "Cos", "Sin", "QO", "KO")}}
     rope_const = dict(D=128, BLOCK_D=128, BLOCK_H=16, SOFT_BF16=False, USE_PDL=True)
     # heads of 64 in blocks of 256 keys on 8 warps (`decode_num_warps`; bench_generate --decode-block-n 256),
-    # heads of 128 in the default 64 on 4
-    dec, rot, dec8 = compile_in_child([
+    # heads of 128 in the default 64 on 4 (the merge loading 4 splits at once), heads of 64 in the default 64
+    dec, rot, dec8, dec64 = compile_in_child([
         dict(kernel="attngraph.attn_backends.triton_ops.decode_attention:_decode_stage1_kernel", types=types,
              constexprs={**decode, "BLOCK_N": 256}, options=dict(num_warps=8, num_stages=2), divisible=strides),
         dict(kernel="attngraph.rope_kernel:_rope_kernel", types=rope_types, constexprs=rope_const, options=dict(num_warps=4),
              divisible=["stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_ct", "stride_st"]),
         dict(kernel="attngraph.attn_backends.triton_ops.decode_attention:_decode_stage1_kernel", types=types,
-             constexprs={**decode, "HEAD_DIM": 128, "V_HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_DV": 128},
+             constexprs={**decode, "HEAD_DIM": 128, "V_HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_DV": 128, "MERGE_CHUNK": 4},
              options=dict(num_warps=4, num_stages=2), divisible=strides),
+        dict(kernel="attngraph.attn_backends.triton_ops.decode_attention:_decode_stage1_kernel", types=types,
+             constexprs=decode, options=dict(num_warps=4, num_stages=2), divisible=strides),
     ])  # fmt: skip
-    for kernel in (dec, rot, dec8):
+    for kernel in (dec, rot, dec8, dec64):
         assert kernel["local_bytes"] == 0, kernel["local_bytes"]
         assert "griddepcontrol.wait" in kernel["ptx"]
 

@@ -455,3 +455,26 @@ def test_gpu_fused_decode_cuda_graph_replay():
         torch.testing.assert_close(out, want, atol=1e-2, rtol=1e-2)
         _same_pools(pool, pool_b)
         assert not backend._graph_counters.any()
+
+
+def test_merge_chunk_sizes():
+    """`merge_chunk`: as many [BLOCK_H, BLOCK_DV] fp32 tiles as the budget holds, a power of two
+    from 1 to MAX_MERGE_CHUNK."""
+    assert decode_attention.merge_chunk(16, 64) == 8
+    assert decode_attention.merge_chunk(16, 128) == 4
+    assert decode_attention.merge_chunk(16, 256) == 2
+    assert decode_attention.merge_chunk(64, 512) == 1
+    assert decode_attention.merge_chunk(16, 16) == decode_attention.MAX_MERGE_CHUNK
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["in-order", "splits-last-to-first"])
+def test_fused_merge_in_chunks_with_a_partial_last_chunk(monkeypatch, request, reverse):
+    """The fused merge loads 2 splits' partials at a time here (the budget cut down): requests of
+    1, 4 and 7 splits merge over 0, 2 and 4 chunks, the last of 7 half empty; each matches the
+    two-launch path and the float64 reference, in either program order."""
+    if reverse:
+        request.getfixturevalue("splits_last_to_first")
+    monkeypatch.setattr(decode_attention, "MERGE_CHUNK_VALUES", 16 * 64 * 2)
+    assert decode_attention.merge_chunk(16, 64) == 2
+    step = make_decode_step([1, 50, 112], hq=8, hkv=2, d=64, dv=64, page_size=4, dtype=torch.float32, seed=11)
+    check_fused(step, make_opts(8, sinks=6), "both", max_splits=7)

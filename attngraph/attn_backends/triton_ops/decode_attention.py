@@ -17,8 +17,10 @@ per layer with both:
   from those rows rather than from the pool, where that store may not have landed yet.
 * Merge in stage 1: each program of a (request, KV head, head block) tile stores its partials
   and counts itself on the tile's int32 counter (an ``acq_rel`` atomic); the last to count
-  merges the tile's splits by stage 2's arithmetic, writes the output and puts the counter back
-  to zero. A request of one split merges at once from registers (no partials, no atomic).
+  merges the tile's splits in order, loading the partials of `merge_chunk` splits at once (one
+  round trip per chunk; stage 2's arithmetic with each chunk's maximum), writes the output and
+  puts the counter back to zero. A request of one split merges at once from registers (no
+  partials, no atomic).
 
 How many splits a request uses is decided on the device from its own length
 (`_split_plan`), so nothing is read back to the host and the launch is CUDA-graph safe:
@@ -49,8 +51,14 @@ logger = logging.getLogger(__name__)
 
 #: Stands for "no window": large enough to admit every key, small enough not to overflow int32.
 NO_WINDOW = 1 << 30
-#: Default shortest split (keys); shorter requests run in one split.
-DEFAULT_MIN_SPLIT_LEN = 128
+#: Default shortest split (keys); shorter requests run in one split. Under PDL every program
+#: loads its split's first block before waiting for the kernel before it, so splits of one
+#: block (64 keys, `decode_block_n`) leave no key load on the path after the wait: in the 1B
+#: batch-1 decode step on an H200, 0.956 ms against 0.979-0.984 with splits of 128 and 1.001
+#: with 256, timed interleaved (``bench_generate.py --interleave --variant
+#: decode-min-split=...``; BENCHMARKS.md). Batch 16 did not move (1.086 against 1.079-1.082).
+#: Alone, outside a step, the kernel did not gain from shorter splits.
+DEFAULT_MIN_SPLIT_LEN = 64
 
 _LOG2E = tl.constexpr(1.4426950408889634)  # globals read by @jit code must be constexpr
 
@@ -162,6 +170,18 @@ def _merge_split(m, l, acc, lse, o):
 
 
 @triton.jit
+def _merge_splits(m, l, acc, lse, o):
+    """A chunk of splits merged into the running ``(m, l, acc)``: ``lse: [C, BLOCK_H]`` (log2
+    units; ``-inf`` for a slot past the last split, and at least the first slot a split),
+    ``o: [C, BLOCK_H, BLOCK_DV]`` (zeros past the last split); ``m, l: [BLOCK_H]``,
+    ``acc: [BLOCK_H, BLOCK_DV]``. `_merge_split`'s arithmetic with the chunk's maximum."""
+    m_new = tl.maximum(m, tl.max(lse, 0))  # finite: the chunk's first slot holds keys
+    alpha = tl.exp2(m - m_new)
+    w = tl.exp2(lse - m_new[None, :])  # [C, BLOCK_H], zero past the last split
+    return m_new, l * alpha + tl.sum(w, 0), acc * alpha[:, None] + tl.sum(o * w[:, :, None], 0)
+
+
+@triton.jit
 def _load_block(K, V, ReqToPage, row, stride_rtp, stride_ks, stride_kh, stride_vs, stride_vh, kvh,
                 pos, mask_kv, offs_d, mask_d, offs_dt, mask_dt, offs_dv, mask_dv,
                 PAGE_SIZE: tl.constexpr, HAS_TAIL: tl.constexpr):  # fmt: skip
@@ -226,11 +246,12 @@ def _decode_stage1_kernel(
     HAS_CAP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HEAD_BLOCKS: tl.constexpr, BLOCK_DT: tl.constexpr, HAS_TAIL: tl.constexpr,
     NEW_KV: tl.constexpr, MERGE: tl.constexpr, HAS_SINKS: tl.constexpr, USE_PDL: tl.constexpr,
-    PREFETCH: tl.constexpr, ROPE: tl.constexpr, SOFT_BF16: tl.constexpr,
+    PREFETCH: tl.constexpr, ROPE: tl.constexpr, SOFT_BF16: tl.constexpr, MERGE_CHUNK: tl.constexpr,
 ):  # fmt: skip
     # PDL (attngraph.pdl): the kernel may start before the one producing q (and k_new / v_new)
     # has finished. Only that kernel's outputs are unsafe before gdc_wait: the page table, the
-    # lengths and the pool's keys before seq_len - 1 were written by earlier kernels, and with
+    # lengths, the new token's slot and the pool's keys before seq_len - 1 were written by
+    # earlier kernels (or copies), and with
     # NEW_KV no kernel but this one writes the pool, so (PREFETCH = USE_PDL and NEW_KV) the
     # first block of keys loads first.
     if USE_PDL and not PREFETCH:
@@ -254,6 +275,9 @@ def _decode_stage1_kernel(
     start = kv_lo + sid * split_len
     end = tl.minimum(start + split_len, seq_len)
     row = tl.load(ReqIdx + b).to(tl.int64)
+    loc = row  # the new K/V's pool slot (NEW_KV), like the lengths written by a kernel further back
+    if NEW_KV:
+        loc = tl.load(NewLoc + b).to(tl.int64)
     if PREFETCH:  # the first block's pool keys and values (none past end: a split without keys)
         pos0 = start + tl.arange(0, BLOCK_N)
         mask0 = (pos0 < end) & (pos0 != seq_len - 1)
@@ -291,7 +315,6 @@ def _decode_stage1_kernel(
         v_new = tl.load(VNew + b * stride_vnb + kvh * stride_vnh + offs_dv, mask=mask_dv, other=0.0)
         v_new = v_new.to(V.dtype.element_ty)
         if (sid == 0) & (hb == 0):  # before any early return: stored even for seq_len = 0, as save_kv does
-            loc = tl.load(NewLoc + b).to(tl.int64)
             tl.store(K + loc * stride_ks + kvh * stride_kh + offs_d, k_new, mask=mask_d)
             if HAS_TAIL:
                 tl.store(K + loc * stride_ks + kvh * stride_kh + offs_dt, k_new_tail, mask=mask_dt)
@@ -373,11 +396,18 @@ def _decode_stage1_kernel(
             res = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
             if num_splits == 1:
                 m, l, res = _merge_split(m, l, res, part_lse, part_o)
-            else:  # all splits in order (none when seq_len = 0), read past L1 (".cg")
-                for s_id in range(0, num_splits):
-                    lse = tl.load(pl_ptrs + s_id, mask=mask_h, other=0.0, cache_modifier=".cg")
-                    o = tl.load(po_ptrs + s_id * stride_pos, mask=mask_o, other=0.0, cache_modifier=".cg")
-                    m, l, res = _merge_split(m, l, res, lse, o)
+            else:  # the splits in order, MERGE_CHUNK at a time: one round trip per chunk, read past L1 (".cg")
+                offs_c = tl.arange(0, MERGE_CHUNK)
+                for s0 in range(0, num_splits, MERGE_CHUNK):
+                    sids = s0 + offs_c  # [MERGE_CHUNK], the first valid: every chunk holds a split
+                    mask_s = sids < num_splits
+                    lse = tl.load(pl_ptrs[None, :] + sids[:, None], mask=mask_s[:, None] & mask_h[None, :], other=0.0,
+                                  cache_modifier=".cg")  # fmt: skip
+                    lse = tl.where(mask_s[:, None], lse, float("-inf"))  # [MERGE_CHUNK, BLOCK_H]
+                    o = tl.load(po_ptrs[None, :, :] + sids[:, None, None] * stride_pos,
+                                mask=mask_s[:, None, None] & mask_o[None, :, :], other=0.0,
+                                cache_modifier=".cg")  # [MERGE_CHUNK, BLOCK_H, BLOCK_DV] fmt: skip
+                    m, l, res = _merge_splits(m, l, res, lse, o)
                 tl.store(counter, 0)  # every program of the tile has counted: ready for the next launch
             if HAS_SINKS:  # the head's sink logit joins the denominator only (it has no value)
                 sink = tl.load(Sinks + heads, mask=mask_h, other=0.0).to(tl.float32) * _LOG2E
@@ -491,6 +521,23 @@ def decode_block_h(group: int, head_dim: int, v_head_dim: int, dtype: torch.dtyp
     32 keys and 8 warps ran 2.1-2.4x faster than blocks of 16 at batch 16-64."""
     cap = 16 if max(head_dim, v_head_dim) > 256 and dtype == torch.float32 else 64
     return min(max(16, triton.next_power_of_2(group)), cap)
+
+
+#: fp32 partial values the fused merge loads at once (`merge_chunk`): 64 registers a thread on 4 warps.
+MERGE_CHUNK_VALUES = 8192
+#: Most splits the fused merge loads at once.
+MAX_MERGE_CHUNK = 8
+
+
+def merge_chunk(block_h: int, block_dv: int) -> int:
+    """Splits whose partials the fused merge loads together (a power of two, 1 to
+    `MAX_MERGE_CHUNK`): as many ``[BLOCK_H, BLOCK_DV]`` fp32 tiles as `MERGE_CHUNK_VALUES` holds.
+    The merging program is the last of its tile to finish, on the launch's critical path: a
+    request of up to that many splits merges after one round trip to memory, where one split
+    at a time took one each. 16 x 64 (the 1B shape's heads) -> 8; 16 x 128 -> 4; MLA's latent
+    64 x 512 -> 1."""
+    fit = MERGE_CHUNK_VALUES // max(block_h * block_dv, 1)
+    return min(MAX_MERGE_CHUNK, 1 << (max(fit, 1).bit_length() - 1))
 
 
 def decode_num_warps(head_dim: int, v_head_dim: int, block_n: int = 64) -> int:
@@ -647,6 +694,7 @@ def decode_attention_fwd(
         HEAD_BLOCKS=head_blocks, BLOCK_DT=max(block_dt, 16), HAS_TAIL=block_dt > 0,
         NEW_KV=new_kv, MERGE=counters is not None, HAS_SINKS=sinks is not None, USE_PDL=use_pdl,
         PREFETCH=use_pdl and new_kv, ROPE=rope, SOFT_BF16=q.dtype == torch.bfloat16 and interpreting(),
+        MERGE_CHUNK=merge_chunk(block_h, block_dv),
         num_warps=decode_num_warps(d, dv, block_n), num_stages=2, **pdl.launch_options(use_pdl),
     )  # fmt: skip
     if counters is not None:
