@@ -53,11 +53,11 @@ logger = logging.getLogger(__name__)
 NO_WINDOW = 1 << 30
 #: Default shortest split (keys); shorter requests run in one split. Under PDL every program
 #: loads its split's first block before waiting for the kernel before it, so splits of one
-#: block (64 keys, `decode_block_n`) leave no key load on the path after the wait: in the 1B
-#: batch-1 decode step on an H200, 0.956 ms against 0.979-0.984 with splits of 128 and 1.001
-#: with 256, timed interleaved (``bench_generate.py --interleave --variant
-#: decode-min-split=...``; BENCHMARKS.md). Batch 16 did not move (1.086 against 1.079-1.082).
-#: Alone, outside a step, the kernel did not gain from shorter splits.
+#: block (64 keys, `decode_block_n`) leave no key load on the path after the wait. Timed
+#: interleaved on an H200 (``bench_generate.py --interleave --variant decode-min-split=...``,
+#: BENCHMARKS.md): the 1B batch-1 step 0.990-0.992 ms against 1.026 with splits of 128, the
+#: 8B one 4.519-4.528 against 4.607; batch 16 did not move. Alone, outside a step, the kernel
+#: did not gain from shorter splits: it had no kernel before it to overlap.
 DEFAULT_MIN_SPLIT_LEN = 64
 
 _LOG2E = tl.constexpr(1.4426950408889634)  # globals read by @jit code must be constexpr
@@ -491,10 +491,12 @@ def decode_block_n(head_dim: int, v_head_dim: int, dtype: torch.dtype) -> int:
     """Keys per block of stage 1 (also the split alignment: a split holds whole blocks).
 
     Blocks of 256 keys for heads of 64 (8 warps, `decode_num_warps`) make a split of up to 256
-    keys one block, loaded whole before the PDL wait: on an H100 the 1B batch-1 step's GPU busy
-    time fell by 15-24 us and its step time did not move (BENCHMARKS.md). Such a program holds
-    an SM's registers alone, which the bandwidth-bound large batches were not timed with, so
-    the default stays at 64 (``bench_generate.py --decode-block-n`` times others).
+    keys one block, loaded whole before the PDL wait. Timed interleaved on an H200 against
+    splits of 128 keys, the 1B step took 0.967 ms at batch 1 against 0.979-0.984 but 1.160 at
+    batch 16 against 1.079-1.082 (a program holds an SM's registers alone); splits of one
+    64-key block (`DEFAULT_MIN_SPLIT_LEN`) gained more at batch 1 (0.956) without that loss,
+    so the default stays at 64 (``bench_generate.py --decode-block-n`` times others;
+    BENCHMARKS.md).
     """
     if interpreting():
         return 16  # small blocks: the CPU tests' short sequences still span several blocks
