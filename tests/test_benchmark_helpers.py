@@ -10,12 +10,19 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def test_profile_kernels_helpers():
+def bench_module(name: str):
+    """The benchmark script ``benchmarks/<name>.py`` imported as a module."""
+    import importlib
+
     sys.path.insert(0, str(BENCHMARKS))
     try:
-        import profile_kernels
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(BENCHMARKS))
+
+
+def test_profile_kernels_helpers():
+    profile_kernels = bench_module("profile_kernels")
     failed, attempted = doctest.testmod(profile_kernels)
     assert attempted >= 2 and failed == 0
     # a long gap (the host between steps) is not idle time of a step; overlaps are not gaps
@@ -37,12 +44,8 @@ def test_gemv_table_and_chain_sweep(tmp_path):
     import json
 
     pytest.importorskip("triton")
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import bench_gemv_chain
-        import bench_generate
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    bench_gemv_chain = bench_module("bench_gemv_chain")
+    bench_generate = bench_module("bench_generate")
     from attngraph import skinny_linear
     from attngraph.errors import InputError
 
@@ -73,11 +76,7 @@ def test_decode_step_timing_alternates_lengths_and_counts_collections(monkeypatc
 
     import torch
 
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import bench_generate
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    bench_generate = bench_module("bench_generate")
     clock = [0.0]
     monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
     pending = [0.0]
@@ -114,11 +113,7 @@ def test_interleaved_steps_rotate_runs_and_cancel_a_drift(monkeypatch):
 
     import torch
 
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import bench_generate
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    bench_generate = bench_module("bench_generate")
     clock = [0.0]
     monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
@@ -161,11 +156,7 @@ def test_variant_rows_name_switches_and_default_the_rest():
     an unknown name or a list value is refused through the parser's error."""
     import argparse
 
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import bench_generate
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    bench_generate = bench_module("bench_generate")
     flags = {attr: "first" for attr in bench_generate.VARIANT_SWITCHES}
     args = argparse.Namespace(**flags, variant=["default", "fold-rope=linear decode-block-n=256", "fold-rope=first"])
     rows = bench_generate.variant_rows(args, error=lambda msg: pytest.fail(msg))

@@ -251,9 +251,8 @@ def _decode_stage1_kernel(
     # PDL (attngraph.pdl): the kernel may start before the one producing q (and k_new / v_new)
     # has finished. Only that kernel's outputs are unsafe before gdc_wait: the page table, the
     # lengths, the new token's slot and the pool's keys before seq_len - 1 were written by
-    # earlier kernels (or copies), and with
-    # NEW_KV no kernel but this one writes the pool, so (PREFETCH = USE_PDL and NEW_KV) the
-    # first block of keys loads first.
+    # earlier kernels (or copies), and with NEW_KV no kernel but this one writes the pool, so
+    # (PREFETCH = USE_PDL and NEW_KV) the first block of keys loads first.
     if USE_PDL and not PREFETCH:
         gdc_wait()
         gdc_launch_dependents()
@@ -275,7 +274,7 @@ def _decode_stage1_kernel(
     start = kv_lo + sid * split_len
     end = tl.minimum(start + split_len, seq_len)
     row = tl.load(ReqIdx + b).to(tl.int64)
-    loc = row  # the new K/V's pool slot (NEW_KV), like the lengths written by a kernel further back
+    loc = row  # placeholder without NEW_KV; else the new K/V's pool slot, before the wait like the lengths
     if NEW_KV:
         loc = tl.load(NewLoc + b).to(tl.int64)
     if PREFETCH:  # the first block's pool keys and values (none past end: a split without keys)
