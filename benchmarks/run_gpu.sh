@@ -10,7 +10,8 @@
 #   bash benchmarks/run_gpu.sh prefill # prefill steps per CUDA-graph mode, then accelerate() alone
 #   bash benchmarks/run_gpu.sh kernels # kernels per prefill / decode step, by class and name
 #   bash benchmarks/run_gpu.sh decode  # the 1B decode step: exposed time per kernel, the projections
-#                                      # alone, decode attention's key blocks alone and in the step
+#                                      # alone, decode attention's key blocks alone, and the step with
+#                                      # splits of 64 (default) and 128 keys and blocks of 256, interleaved
 #   QUICK=1 ...                        # shorter benchmark: quick kernel shapes, batch 1 only
 set -u
 OUT=${OUT:-benchmarks/results}
@@ -68,9 +69,9 @@ if [ "$stage" = decode ]; then
         --decode-shapes 1x256,1x4096,16x256,64x2048 --decode-block-ns 64,256 \
         --out "$OUT/decode_blocks.json" > "$OUT/decode_blocks.md" 2> "$OUT/decode_blocks.log"
     echo "bench_attention rc=$?" >> "$OUT/device.txt"
-    timeout 300 python3 benchmarks/bench_generate.py --shapes 1b --batches 1,16 --backends triton --repeats 3 \
-        --decode-block-n default,256,default --out "$OUT/generate_decode.json" 2>&1 \
-        | grep -v "it/s\|s/it" > "$OUT/generate_decode.log"
+    timeout 300 python3 benchmarks/bench_generate.py --shapes 1b --batches 1,16 --backends triton --repeats 7 \
+        --interleave --variant default --variant decode-min-split=128 --variant decode-block-n=256 --variant default \
+        --out "$OUT/generate_decode.json" 2>&1 | grep -v "it/s\|s/it" > "$OUT/generate_decode.log"
     echo "bench_generate rc=$?" >> "$OUT/device.txt"
 fi
 echo "done" >> "$OUT/device.txt"
