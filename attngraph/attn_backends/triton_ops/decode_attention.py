@@ -313,18 +313,11 @@ def _decode_stage1_kernel(
             k_new_tail = tl.load(kn_ptrs + offs_dt, mask=mask_dt, other=0.0).to(K.dtype.element_ty)
         v_new = tl.load(VNew + b * stride_vnb + kvh * stride_vnh + offs_dv, mask=mask_dv, other=0.0)
         v_new = v_new.to(V.dtype.element_ty)
-        if (sid == 0) & (hb == 0):  # before any early return: stored even for seq_len = 0, as save_kv does
-            tl.store(K + loc * stride_ks + kvh * stride_kh + offs_d, k_new, mask=mask_d)
-            if HAS_TAIL:
-                tl.store(K + loc * stride_ks + kvh * stride_kh + offs_dt, k_new_tail, mask=mask_dt)
-            tl.store(V + loc * stride_vs + kvh * stride_vh + offs_dv, v_new, mask=mask_dv)
 
-    runs = num_splits
-    if MERGE:  # split 0 of a request without keys still runs: it writes the request's zeros
-        runs = tl.maximum(num_splits, 1)
-    if sid >= runs:
-        return
-
+    # q (and its rotation) loads with the new K/V rows, before the store below: loads and stores
+    # keep their program order, so a load after the store would cost the storing program
+    # another round trip to memory on its way to the merge. Programs past the request's last
+    # split load q too (a few hundred bytes) and return after the store.
     offs_g = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_g < GROUP
     heads = kvh * GROUP + offs_g  # [BLOCK_H] query heads of this KV head
@@ -341,6 +334,18 @@ def _decode_stage1_kernel(
     slope = tl.zeros([BLOCK_H], tl.float32)
     if HAS_ALIBI:  # [BLOCK_H] slopes of the group's query heads
         slope = tl.load(Slopes + heads, mask=mask_h, other=0.0).to(tl.float32)
+    if NEW_KV:
+        if (sid == 0) & (hb == 0):  # before any early return: stored even for seq_len = 0, as save_kv does
+            tl.store(K + loc * stride_ks + kvh * stride_kh + offs_d, k_new, mask=mask_d)
+            if HAS_TAIL:
+                tl.store(K + loc * stride_ks + kvh * stride_kh + offs_dt, k_new_tail, mask=mask_dt)
+            tl.store(V + loc * stride_vs + kvh * stride_vh + offs_dv, v_new, mask=mask_dv)
+
+    runs = num_splits
+    if MERGE:  # split 0 of a request without keys still runs: it writes the request's zeros
+        runs = tl.maximum(num_splits, 1)
+    if sid >= runs:
+        return
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2(s - m_i)
