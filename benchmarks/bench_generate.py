@@ -197,65 +197,53 @@ def spread(steps: list[float]) -> dict:
 
 def decode_step_ms(model, ids, mask, new_tokens: int, repeats: int = 1,
                    **extra) -> tuple[torch.Tensor, float, list[float], dict]:  # fmt: skip
-    """``(sequences of the N-token generate, ms per decode step, each repeat's, host stats)``.
-
-    A decode step is ``(t(N) - t(1)) / (N - 1)``, with t(1) the median of ``repeats`` timings
-    and t(N) each of ``repeats``; the step reported is their median. After one warm-up of each
-    length the 1- and N-token generates alternate, so a drift of the host's speed meets both.
-    Host stats: ``host_ms_per_step``, the same difference of the times until ``generate``
-    returned (near the step itself: the host, not the device, sets the pace), and
-    ``gc_collections``, the collector's passes per generation during the timed generates."""
-    kw = dict(attention_mask=mask, do_sample=False, pad_token_id=0, eos_token_id=None, **extra)
-    for n in (1, new_tokens):  # compiles, caches
-        _generate_once(model, ids, mask, n, kw)
-    walls = {1: [], new_tokens: []}
-    hosts = {1: [], new_tokens: []}
-    with _Collections() as collections:
-        for _ in range(repeats):
-            for n in (1, new_tokens):
-                out, wall, host = _generate_once(model, ids, mask, n, kw)
-                walls[n].append(wall)
-                hosts[n].append(host)
-    t1, h1 = statistics.median(walls[1]), statistics.median(hosts[1])
-    steps = [(tn - t1) / (new_tokens - 1) * 1e3 for tn in walls[new_tokens]]
-    host_steps = [(hn - h1) / (new_tokens - 1) * 1e3 for hn in hosts[new_tokens]]
-    stats = {"host_ms_per_step": round(statistics.median(host_steps), 3), "gc_collections": collections.counts}
-    return out, statistics.median(steps), steps, stats
+    """``(sequences of the N-token generate, ms per decode step, each repeat's, host stats)``:
+    `interleaved_steps` of this one model (after one warm-up of each length, the 1- and N-token
+    generates alternate, so a drift of the host's speed meets both)."""
+    return interleaved_steps([dict(model=model, ids=ids, mask=mask, extra=extra, apply=lambda: None)], new_tokens, repeats)[0]
 
 
 def interleaved_steps(runs: list[dict], new_tokens: int, repeats: int) -> list[tuple]:
-    """`decode_step_ms` for several runs at once, their timed generates interleaved.
+    """`decode_step_ms` of several runs at once, their timed generates interleaved.
 
     Each run is a dict of ``model``, ``ids``, ``mask``, ``extra`` (generate keywords) and
     ``apply`` (a callable that sets the module settings the run was built with; called before
-    each of its generates). After one warm-up of each length per run, every round times each
-    run's 1- and N-token generates in turn, the runs in an order rotated by one per round, so a
-    drift of the device's or the host's speed over the minutes of a benchmark (clocks, heat)
-    meets every run alike rather than the rows timed last. Returns, per run, what
-    `decode_step_ms` returns (host stats without the collector's counts).
+    each of its generates). A decode step is ``(t(N) - t(1)) / (N - 1)``, with t(1) the median
+    of a run's ``repeats`` 1-token timings and t(N) each of its N-token ones; the step reported
+    is their median. After one warm-up of each length per run, every round times each run's 1-
+    and N-token generates in turn, the runs in an order rotated by one per round, so a drift of
+    the device's or the host's speed over the minutes of a benchmark (clocks, heat) meets every
+    run alike rather than the rows timed last.
+
+    Returns per run ``(sequences of its last N-token generate, ms per step, each repeat's, host
+    stats)``. Host stats: ``host_ms_per_step``, the same difference of the times until
+    ``generate`` returned (near the step itself: the host, not the device, sets the pace), and
+    ``gc_collections``, the collector's passes per generation during all the timed generates.
     """
     kws = [dict(attention_mask=r["mask"], do_sample=False, pad_token_id=0, eos_token_id=None, **r["extra"]) for r in runs]
-    for run, kw in zip(runs, kws):
+    for run, kw in zip(runs, kws):  # compiles, caches
         run["apply"]()
         for n in (1, new_tokens):
             _generate_once(run["model"], run["ids"], run["mask"], n, kw)
     walls = [{1: [], new_tokens: []} for _ in runs]
     hosts = [{1: [], new_tokens: []} for _ in runs]
     outs = [None] * len(runs)
-    for r in range(repeats):
-        for j in range(len(runs)):
-            i = (j + r) % len(runs)
-            runs[i]["apply"]()
-            for n in (1, new_tokens):
-                outs[i], wall, host = _generate_once(runs[i]["model"], runs[i]["ids"], runs[i]["mask"], n, kws[i])
-                walls[i][n].append(wall)
-                hosts[i][n].append(host)
+    with _Collections() as collections:
+        for r in range(repeats):
+            for j in range(len(runs)):
+                i = (j + r) % len(runs)
+                runs[i]["apply"]()
+                for n in (1, new_tokens):
+                    outs[i], wall, host = _generate_once(runs[i]["model"], runs[i]["ids"], runs[i]["mask"], n, kws[i])
+                    walls[i][n].append(wall)
+                    hosts[i][n].append(host)
     results = []
     for i in range(len(runs)):
         t1, h1 = statistics.median(walls[i][1]), statistics.median(hosts[i][1])
         steps = [(tn - t1) / (new_tokens - 1) * 1e3 for tn in walls[i][new_tokens]]
         host_steps = [(hn - h1) / (new_tokens - 1) * 1e3 for hn in hosts[i][new_tokens]]
-        results.append((outs[i], statistics.median(steps), steps, {"host_ms_per_step": round(statistics.median(host_steps), 3)}))
+        stats = {"host_ms_per_step": round(statistics.median(host_steps), 3), "gc_collections": collections.counts}
+        results.append((outs[i], statistics.median(steps), steps, stats))
     return results
 
 
@@ -289,6 +277,8 @@ def variant_rows(args: argparse.Namespace, error) -> list[tuple[str, ...]]:
             if not eq or attr not in VARIANT_SWITCHES or not value or "," in value:
                 names = ", ".join(name.replace("_", "-") for name in VARIANT_SWITCHES)
                 error(f"--variant {spec!r}: {item!r} is no NAME=VALUE of {names}")
+            if attr in given:
+                error(f"--variant {spec!r} names {key} twice")
             given[attr] = value
             if value not in getattr(args, attr).split(","):
                 setattr(args, attr, getattr(args, attr) + "," + value)

@@ -175,3 +175,5 @@ def test_variant_rows_name_switches_and_default_the_rest():
     for bad in ("foo=1", "fold-rope", "fold-rope=on,off"):
         with pytest.raises(Refused, match="is no NAME=VALUE"):
             bench_generate.variant_rows(argparse.Namespace(**flags, variant=[bad]), error)
+    with pytest.raises(Refused, match="names fold-rope twice"):
+        bench_generate.variant_rows(argparse.Namespace(**flags, variant=["fold-rope=on fold-rope=off"]), error)

@@ -160,21 +160,11 @@ def _split_plan(seq_len, window, chunk, max_splits, min_split_len, SPLIT_ALIGN: 
 
 # ----------------------------------------------------------------------------- kernels
 @triton.jit
-def _merge_split(m, l, acc, lse, o):
-    """One split merged into the running ``(m, l, acc)`` of a block of query heads, by stage 2's
-    arithmetic: ``m, l, lse: [BLOCK_H]`` (log2 units), ``acc, o: [BLOCK_H, BLOCK_DV]``."""
-    m_new = tl.maximum(m, lse)  # finite: every split holds keys
-    alpha = tl.exp2(m - m_new)
-    w = tl.exp2(lse - m_new)
-    return m_new, l * alpha + w, acc * alpha[:, None] + o * w[:, None]
-
-
-@triton.jit
 def _merge_splits(m, l, acc, lse, o):
     """A chunk of splits merged into the running ``(m, l, acc)``: ``lse: [C, BLOCK_H]`` (log2
     units; ``-inf`` for a slot past the last split, and at least the first slot a split),
     ``o: [C, BLOCK_H, BLOCK_DV]`` (zeros past the last split); ``m, l: [BLOCK_H]``,
-    ``acc: [BLOCK_H, BLOCK_DV]``. `_merge_split`'s arithmetic with the chunk's maximum."""
+    ``acc: [BLOCK_H, BLOCK_DV]``. Stage 2's arithmetic, with the chunk's maximum."""
     m_new = tl.maximum(m, tl.max(lse, 0))  # finite: the chunk's first slot holds keys
     alpha = tl.exp2(m - m_new)
     w = tl.exp2(lse - m_new[None, :])  # [C, BLOCK_H], zero past the last split
@@ -399,7 +389,7 @@ def _decode_stage1_kernel(
             l = tl.zeros([BLOCK_H], tl.float32)
             res = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
             if num_splits == 1:
-                m, l, res = _merge_split(m, l, res, part_lse, part_o)
+                m, l, res = _merge_splits(m, l, res, part_lse[None, :], part_o[None, :, :])  # a chunk of one
             else:  # the splits in order, MERGE_CHUNK at a time: one round trip per chunk, read past L1 (".cg")
                 offs_c = tl.arange(0, MERGE_CHUNK)
                 for s0 in range(0, num_splits, MERGE_CHUNK):
