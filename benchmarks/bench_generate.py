@@ -493,11 +493,6 @@ def main() -> None:
                 **kernels, teacher_forced_agreement=round(teacher_forced_agreement(model, m, out, args.prompt, mask), 4),
                 setup_s=round(setup_s, 1))  # fmt: skip
 
-        def release(m) -> None:
-            attngraph.restore(m)
-            del m
-            torch.cuda.empty_cache()
-
         if not args.interleave:
             for variant in variants:
                 label, m, setup_s, kernels = build(variant)
@@ -508,7 +503,9 @@ def main() -> None:
                     for loop in args.loops.split(","):
                         timed = decode_step_ms(m, ids, mask, args.new_tokens, args.repeats, **LOOPS[loop])
                         report(label, m, b, loop, timed, mask, setup_s, kernels[b])
-                release(m)
+                attngraph.restore(m)
+                del m  # freed before the next variant's copy is made
+                torch.cuda.empty_cache()
         else:  # every variant built first, then their generates interleaved
             built = [(variant, *build(variant)) for variant in variants]
             built = [entry for entry in built if entry[2] is not None]
@@ -520,9 +517,10 @@ def main() -> None:
                     for (_, label, m, setup_s, kernels), timed in zip(built, interleaved_steps(runs, args.new_tokens,
                                                                                                args.repeats)):  # fmt: skip
                         report(label, m, b, loop, timed, mask, setup_s, kernels[b])
-            for _, _, m, _, _ in built:
-                release(m)
-            del built
+            for entry in built:
+                attngraph.restore(entry[2])
+            built = runs = entry = m = None  # no name holds a copy (some may never have been bound)
+            torch.cuda.empty_cache()
         del model
         torch.cuda.empty_cache()
     result = dict(
