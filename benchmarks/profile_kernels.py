@@ -113,6 +113,31 @@ def exposed_us(kernels) -> dict[str, float]:
     return dict(out)
 
 
+def exposed_sequence(kernels, steps: int) -> list[list]:
+    """Each launch of one step in order, with its duration and exposed time (`exposed_us`'s
+    measure) averaged over the ``steps`` profiled steps: ``[name, duration, exposed]`` per
+    position, so that one layer's kernels read in order (which GEMV, which boundary). The
+    steps must launch the same kernels (``kernels`` holds ``steps`` times as many); else ``[]``.
+
+    >>> exposed_sequence([(0, 4, "a"), (2, 9, "b"), (10, 12, "a"), (11, 20, "b")], 2)
+    [['a', 3.0, 3.0], ['b', 8.0, 6.5]]
+    """
+    spans = sorted(kernels)
+    if not spans or len(spans) % steps:
+        return []
+    per = len(spans) // steps
+    if any(spans[i][2] != spans[i % per][2] for i in range(len(spans))):
+        return []
+    seq = [[spans[i][2], 0.0, 0.0] for i in range(per)]
+    last_end = None
+    for i, (start, end, _) in enumerate(spans):  # in start order: a kernel is exposed past all before it
+        lo = start if last_end is None else max(start, last_end)
+        seq[i % per][1] += (end - start) / steps
+        seq[i % per][2] += max(end - lo, 0) / steps
+        last_end = end if last_end is None else max(last_end, end)
+    return [[name, round(d, 2), round(x, 2)] for name, d, x in seq]
+
+
 def kernel_table(step, steps: int = 5) -> dict:
     """Per-step kernel time and launches of ``step``, by class and by name. ``gpu_ms``: the
     kernels' summed durations; ``gpu_busy_ms``: the time any kernel ran (`busy_us`)."""
@@ -155,6 +180,8 @@ def kernel_table(step, steps: int = 5) -> dict:
         "exposed_us_by_class": {k: round(us / steps, 1) for k, us in sorted(exposed_class.items(), key=lambda kv: -kv[1])},
         "exposed_top_us": [[name[:110], round(us / steps, 1), round(by_name[name][1])]
                            for name, us in sorted(exposed.items(), key=lambda kv: -kv[1])[:30]],
+        # one step's launches in order: [name, duration us, exposed us] (`exposed_sequence`)
+        "sequence_us": [[name[:60], d, x] for name, d, x in exposed_sequence(spans, steps)],
     }
 
 
@@ -271,6 +298,8 @@ def main() -> None:
         for kname, us, n in row["top_us"]:
             print(f"   {us:9.1f} us {n:4d}x  {kname}")
         print("   exposed (what each adds to the step):", json.dumps(row["exposed_us_by_class"]))
+        for i, (kname, d, x) in enumerate(row["sequence_us"][:24]):
+            print(f"   #{i:3d} {d:7.2f} us, exposed {x:6.2f}  {kname}")
         for kname, us, n in row["exposed_top_us"]:
             print(f"   exposed {us:9.1f} us {n:4d}x  {kname}")
     if args.out:
