@@ -104,6 +104,10 @@ TUNED_NORM: dict[tuple[int, int, int], dict[str, int]] = {
 }
 
 _CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K")
+#: Keys a configuration may add, with their defaults. ``PRELOAD``: under PDL, load the first
+#: weight chunk before waiting for the kernel before (1), or wait first and load every chunk
+#: after (0): a chunk loaded early overlaps that kernel, and also competes with its loads.
+_OPTIONAL_KEYS = {"PRELOAD": 1}
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -243,7 +247,7 @@ def _skinny_linear_kernel(
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
     SOFT_BF16: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr,
     ROPE: tl.constexpr, ROPE_D: tl.constexpr, NORM_OUT: tl.constexpr, BLOCK_NO: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, PRELOAD: tl.constexpr,
 ):  # fmt: skip
     """``Y[:M] = h @ W^T (+ Bias)`` with ``h = X``; with ``SILU_MUL``, ``h = silu(X) * X2``
     (fp32, rounded to X's dtype); with ``NORM``, ``h = NW * rmsnorm(X)`` (HF's RMSNorm, ``eps``)
@@ -260,7 +264,9 @@ def _skinny_linear_kernel(
     row ``r``'s ``Cos[r]``, ``Sin[r]`` (``[ROPE_D]``, rows ``stride_cm`` / ``stride_sm`` apart).
     ``NORM_OUT`` (``SPLIT_K = 1``, not with ``NORM`` or ``SILU_MUL``): the product ``y`` is not
     stored; H (``[M, N]``) takes ``h = y + X2`` (X2 the ``[M, N]`` residual) and Y takes
-    ``NW * rmsnorm(h)`` (NW ``[N]``, ``eps``), in the launch's last program (`_add_norm_out`)."""
+    ``NW * rmsnorm(h)`` (NW ``[N]``, ``eps``), in the launch's last program (`_add_norm_out`).
+    ``PRELOAD`` (with ``USE_PDL``): the first weight chunk loads before the wait; without it a
+    program waits first (the loop then starts at ``k_lo``)."""
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns = weight rows
     rows = tl.arange(0, ROWS)  # [ROWS], the first M real
@@ -290,7 +296,12 @@ def _skinny_linear_kernel(
     acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
     rstd = tl.zeros([ROWS], dtype=tl.float32)  # read with NORM only
     k_first = k_lo
-    if USE_PDL:
+    if USE_PDL and not PRELOAD:  # every load after the wait: nothing competes with the kernel before
+        gdc_wait()
+        gdc_launch_dependents()
+        if ROPE:
+            rope_c, rope_s = _rope_rows(Cos, Sin, rows, mask_m, dims, in_rope, stride_cm, stride_sm)
+    if USE_PDL and PRELOAD:
         # The weight is no earlier kernel's output: its first chunk loads while the kernel
         # before finishes; x only after gdc_wait (see attngraph.pdl).
         offs_k = k_lo + tl.arange(0, BLOCK_K)
@@ -310,7 +321,7 @@ def _skinny_linear_kernel(
         h = _rows_chunk(x_rows, x2_rows, NW, rstd, offs_k, mask_x, mask_k, SILU_MUL, NORM, RESIDUAL, DTYPE, SOFT_BF16)
         acc += h[:, None, :] * w.to(tl.float32)[None, :, :]
         k_first = k_lo + BLOCK_K
-    elif NORM:
+    elif NORM:  # after the wait (USE_PDL without PRELOAD) or without PDL
         h_count = tl.where((pid_n == 0) & (tl.program_id(1) == 0), M, 0)
         rstd = _rms_rstd(x_rows, x2_rows, h_rows, K, eps, mask_m, h_count, ROWS, BLOCK_K, RESIDUAL, DTYPE, SOFT_BF16)
     # STAGES > 1: Triton's pipeliner streams the next STAGES - 1 chunks of the weight (and of x)
@@ -406,11 +417,19 @@ def default_config(m: int, n: int, k: int, *, silu_mul: bool = False, norm: bool
 
 
 def _check_config(config: dict) -> dict[str, int]:
+    """``config`` checked, as ints: every key of `_CONFIG_KEYS`, and those of `_OPTIONAL_KEYS`
+    it names (the others are left out: their defaults apply)."""
     missing = [key for key in _CONFIG_KEYS if key not in config]
-    unknown = [key for key in config if key not in _CONFIG_KEYS]
+    unknown = [key for key in config if key not in _CONFIG_KEYS and key not in _OPTIONAL_KEYS]
     if missing or unknown:
-        raise InputError(f"config needs exactly the keys {_CONFIG_KEYS}; missing {missing}, unknown {unknown}")
+        raise InputError(f"config needs exactly the keys {_CONFIG_KEYS} (optionally {tuple(_OPTIONAL_KEYS)}); "
+                         f"missing {missing}, unknown {unknown}")  # fmt: skip
     cfg = {key: int(config[key]) for key in _CONFIG_KEYS}
+    for key in _OPTIONAL_KEYS:
+        if key in config:
+            cfg[key] = int(config[key])
+            if cfg[key] not in (0, 1):
+                raise InputError(f"config[{key!r}] must be 0 or 1, got {config[key]!r}")
     for key in ("BLOCK_N", "BLOCK_K", "num_warps", "SPLIT_K"):
         if cfg[key] < 1 or cfg[key] & (cfg[key] - 1):
             raise InputError(f"config[{key!r}] must be a power of two >= 1, got {cfg[key]}")
@@ -586,7 +605,7 @@ def _launch(x, x2, weight, bias, out, config, silu_mul: bool, norm_weight=None, 
             USE_PDL=use_pdl, PREFETCH=prefetch, LINE=min(weight_prefetch.line_elements(weight), block_k),
             ROPE=rope is not None, ROPE_D=rope_d,
             NORM_OUT=norm_out is not None, BLOCK_NO=triton.next_power_of_2(n) if norm_out is not None else 1,
-            STAGES=cfg["num_stages"],
+            STAGES=cfg["num_stages"], PRELOAD=bool(cfg.get("PRELOAD", _OPTIONAL_KEYS["PRELOAD"])),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch_options(use_pdl),
         )  # fmt: skip
     return out

@@ -42,7 +42,9 @@ Naming one row twice (an A/A pair) shows what is left of the noise.
 ``--gemv-table`` sets the GEMV's launch configurations read at capture: ``tuned`` (the module's
 tables and heuristic), ``unpipelined`` (the same with ``num_stages = 1``: one weight chunk in
 flight per program) or a JSON file ``{"plain" | "silu" | "norm": {"ROWS,N,K": config}}`` whose
-entries take precedence (``ROWS`` padded to a power of two; `bench_gemv_chain.py`'s winners).
+entries take precedence (``ROWS`` padded to a power of two; `bench_gemv_chain.py`'s winners;
+a config may add ``"PRELOAD": 0``, every weight chunk loaded after the PDL wait). The files of
+``benchmarks/gemv_tables/`` are the ones timed in BENCHMARKS.md and ``run_gpu.sh decode``.
 """
 
 from __future__ import annotations

@@ -9,9 +9,10 @@
 #   bash benchmarks/run_gpu.sh bench   # kernel benchmark, then end-to-end generate benchmark
 #   bash benchmarks/run_gpu.sh prefill # prefill steps per CUDA-graph mode, then accelerate() alone
 #   bash benchmarks/run_gpu.sh kernels # kernels per prefill / decode step, by class and name
-#   bash benchmarks/run_gpu.sh decode  # the 1B decode step: exposed time per kernel, the projections
-#                                      # alone, decode attention's key blocks alone, and the step with
-#                                      # splits of 64 (default) and 128 keys and blocks of 256, interleaved
+#   bash benchmarks/run_gpu.sh decode  # the 1B decode step: exposed time per kernel (and per launch in
+#                                      # order), the projections alone, decode attention's key blocks
+#                                      # alone, and the step with the output projection's weight loaded
+#                                      # before or after the PDL wait (gemv_tables/), interleaved
 #   QUICK=1 ...                        # shorter benchmark: quick kernel shapes, batch 1 only
 set -u
 OUT=${OUT:-benchmarks/results}
@@ -69,8 +70,13 @@ if [ "$stage" = decode ]; then
         --decode-shapes 1x256,1x4096,16x256,64x2048 --decode-block-ns 64,256 \
         --out "$OUT/decode_blocks.json" > "$OUT/decode_blocks.md" 2> "$OUT/decode_blocks.log"
     echo "bench_attention rc=$?" >> "$OUT/device.txt"
-    timeout 300 python3 benchmarks/bench_generate.py --shapes 1b --batches 1,16 --backends triton --repeats 7 \
-        --interleave --variant default --variant decode-min-split=128 --variant decode-block-n=256 --variant default \
+    # where the GEMVs after decode attention load their weight: before the PDL wait (the tuned
+    # default: the first chunk; the whole tile; half a chunk) or after it (PRELOAD 0)
+    T=benchmarks/gemv_tables
+    timeout 300 python3 benchmarks/bench_generate.py --shapes 1b --batches 1 --backends triton --repeats 7 \
+        --interleave --variant default --variant gemv-table=$T/o_after_wait.json \
+        --variant gemv-table=$T/o_whole_tile_after_wait.json --variant gemv-table=$T/o_whole_tile.json \
+        --variant gemv-table=$T/o_half_chunk.json --variant gemv-table=$T/qkv_after_wait.json --variant default \
         --out "$OUT/generate_decode.json" 2>&1 | grep -v "it/s\|s/it" > "$OUT/generate_decode.log"
     echo "bench_generate rc=$?" >> "$OUT/device.txt"
 fi

@@ -335,6 +335,8 @@ def test_launcher_refusals(device):
         (lambda: sl.skinny_linear(x, w, out=torch.empty(2, 37, device=device)), "out must be"),
         (lambda: sl.skinny_linear(x, w, config=dict(BLOCK_N=4)), "config needs exactly the keys"),
         (lambda: sl.skinny_linear(x, w, config=config(3, 64)), "power of two"),
+        (lambda: sl.skinny_linear(x, w, config={**config(4, 64), "PRELOAD": 2}), "must be 0 or 1"),
+        (lambda: sl.skinny_linear(x, w, config={**config(4, 64), "PRELOADS": 0}), "unknown \\['PRELOADS'\\]"),
         (lambda: sl.skinny_silu_mul_linear(x, x[:, :50], w), "one shape"),
         (lambda: sl.skinny_silu_mul_linear(x, x, w[:, :50]), "weight must be"),
     ]
@@ -651,6 +653,22 @@ def test_gpu_weight_past_int32_offsets():
     assert_close_to_reference(y[:, tail], x, w[tail], None)
     del w
     torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2])
+def test_gpu_weight_loaded_after_the_wait_gives_the_same_bits(rows):
+    """``PRELOAD = 0`` (every weight chunk loaded after the PDL wait) changes when the weight
+    loads, not the sums: bit-equal to the default, plain and with the RMSNorm prologue, for the
+    tuned 1B output projection's tile and a whole-row tile."""
+    x, w, b = make(21, rows, 2048, 2048, torch.bfloat16, "cuda", bias=True)
+    nw = torch.rand(2048, dtype=torch.bfloat16, device="cuda") + 0.5
+    for tile in (config(4, 1024), config(4, 2048)):
+        first = sl.skinny_linear(x, w, b, config=tile)
+        assert_close_to_reference(first, x, w, b)
+        assert torch.equal(sl.skinny_linear(x, w, b, config={**tile, "PRELOAD": 0}), first)
+        normed = sl.skinny_rms_norm_linear(x, nw, 1e-5, w, b, config=tile)
+        assert torch.equal(sl.skinny_rms_norm_linear(x, nw, 1e-5, w, b, config={**tile, "PRELOAD": 0}), normed)
 
 
 @pytest.mark.gpu

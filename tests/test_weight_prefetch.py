@@ -22,7 +22,8 @@ import torch
 from .sm90_compile import compile_in_child, ptxas_missing
 
 GEMV = dict(ROWS=1, BLOCK_N=4, BLOCK_K=1024, SPLIT_K=1, HAS_BIAS=False, SILU_MUL=False, NORM=False, RESIDUAL=False,
-            SOFT_BF16=False, USE_PDL=True, LINE=64, ROPE=False, ROPE_D=2, NORM_OUT=False, BLOCK_NO=1, STAGES=2)  # fmt: skip
+            SOFT_BF16=False, USE_PDL=True, LINE=64, ROPE=False, ROPE_D=2, NORM_OUT=False, BLOCK_NO=1, STAGES=2,
+            PRELOAD=True)  # fmt: skip
 GEMV_TYPES = {**{p: "*bf16" for p in ("X", "X2", "W", "Bias", "Y", "NW", "H", "Cos", "Sin")}, "Part": "*fp32",
               "Counters": "*i32", "eps": "fp32"}  # fmt: skip
 DOT = dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, EVEN_K=True, HAS_BIAS=False, SILU_MUL=False, NORM=False,
@@ -127,6 +128,29 @@ def test_gemv_loop_streams_the_next_chunks():
         assert piped["ptx"].count("cp.async.cg.shared.global") >= 4, case  # 16-byte copies of two chunks ahead
         assert "cp.async.wait_group" in piped["ptx"]
         assert plain["local_bytes"] == 0 and piped["local_bytes"] == 0
+
+
+def test_gemv_without_preload_loads_the_weight_after_the_wait():
+    """``PRELOAD``: the first weight chunk's loads (``evict_first``) precede
+    ``griddepcontrol.wait``; without it every weight load follows the wait, and the program
+    launches its dependents right after it either way. At the 1B output projection's tile and
+    with the RMSNorm prologue of the q/k/v projection; nothing spills."""
+    if (why := ptxas_missing()) is not None:
+        pytest.skip(why)
+    cases = [GEMV, {**GEMV, "NORM": True, "RESIDUAL": True, "ROPE": True, "ROPE_D": 64}]
+    specs = [dict(kernel=CASES["gemv"][0], types=GEMV_TYPES, constexprs={**c, "STAGES": 1, "PREFETCH": False, "PRELOAD": pre},
+                  options=dict(num_warps=4, num_stages=1), divisible=DIVISIBLE)
+             for c in cases for pre in (True, False)]  # fmt: skip
+    got = compile_in_child(specs)
+    for (early, late), case in zip(zip(got[::2], got[1::2]), ("plain", "norm rope")):
+        for out, preload in ((early, True), (late, False)):
+            ptx = out["ptx"]
+            wait = ptx.find("griddepcontrol.wait")
+            assert 0 < wait < ptx.find("griddepcontrol.launch_dependents"), case
+            first_weight = ptx.find("ld.global.L1::evict_first")
+            assert first_weight > 0, case
+            assert (first_weight < wait) == preload, (case, preload)
+            assert out["local_bytes"] == 0, case
 
 
 # ----------------------------------------------------------------------------- GPU
