@@ -7,13 +7,24 @@ can lose in the step. This script captures one CUDA graph per variant of the cha
 (or ``--rows``) step of the Llama-3.2-1B / 3.1-8B shape runs through its projections::
 
     for each of the layers (distinct weights):
-        qkv  = skinny_rms_norm_linear(down, norm_w, eps, w_qkv, residual=h, h_out=h)   # GEMV
+        qkv  = skinny_rms_norm_linear(down, norm_w, eps, w_qkv, residual=h, h_out=h_new)  # GEMV
         o    = skinny_linear(qkv[:, :hidden], w_o)                                     # GEMV
         gu   = F.linear(o, w_gate_up)                                                  # cuBLAS
         down = skinny_silu_mul_linear(gu[:, :I], gu[:, I:], w_down)                    # GEMV
     logits = skinny_linear(down, w_lm_head)                                            # GEMV
 
-(no attention, RoPE or norm kernels between them: those are the model's). A variant changes the
+(no attention, RoPE or norm kernels between them: those are the model's). With ``--attention``
+each layer runs the rest of a decode step's kernels too, the model's order::
+
+        q, k = rope_qk(qkv q, qkv k, cos, sin)                                   # RoPE
+        a    = decode_attention_fwd(q, pool, ..., k_new=k, v_new=qkv v, counters) # + K/V store, merge
+        o    = skinny_linear(a, w_o)                                            # GEMV
+        x, h = add_rms_norm(o, norm2_w, eps, residual=h)                        # RMSNorm
+        gu   = F.linear(x, w_gate_up) ...
+
+over ``--context`` cached keys per request (the pool's keys before the new token, a page table of
+consecutive pages), so the GEMVs meet the latency-bound kernels they follow in the model (the
+RoPE kernel here is attngraph's, the model's is inductor's). A variant changes the
 configuration of one projection (``qkv``, ``o``, ``down``, ``lm_head``) and keeps the others at
 `default_config`'s; ``unpipelined`` runs every GEMV with ``num_stages = 1`` (one weight chunk in
 flight per program, the kernel's loop before it was pipelined). The graphs are replayed in
@@ -23,6 +34,7 @@ measured in the same run.
 
     python benchmarks/bench_gemv_chain.py --shape 1b --rows 1 --out results/gemv_chain.json
     python benchmarks/bench_gemv_chain.py --shape 8b --rows 1 --sweep down --stages 1,2,3
+    python benchmarks/bench_gemv_chain.py --attention --sweep o --block-n 4 --block-k 1024,2048 --stages 1 --preload 1,0
 
 Prints one JSON line per variant and a Markdown table; ends with the best configuration per
 projection (the `TUNED` entries of ``attngraph/skinny_linear.py`` to try in the model with
@@ -55,8 +67,12 @@ from attngraph.skinny_linear import (  # noqa: E402
     skinny_silu_mul_linear,
 )
 
-#: hidden, intermediate, q/k/v width, vocabulary, layers of each shape
-SHAPES = {"1b": (2048, 8192, 3072, 128256, 16), "8b": (4096, 14336, 6144, 128256, 32)}
+#: hidden, intermediate, q/k/v width, vocabulary, layers of each shape ("tiny": CPU tests)
+SHAPES = {"1b": (2048, 8192, 3072, 128256, 16), "8b": (4096, 14336, 6144, 128256, 32), "tiny": (64, 128, 128, 256, 2)}
+#: query heads, KV heads, head dim of each shape (q/k/v width = (heads + 2 * KV heads) * head dim)
+HEADS = {"1b": (32, 8, 64), "8b": (32, 8, 128), "tiny": (4, 2, 16)}
+PAGE_SIZE = 16
+EPS = 1e-5
 #: the chain's GEMVs: name -> (what default_config is asked for: silu_mul, norm)
 PROJECTIONS = {"qkv": (False, True), "o": (False, False), "down": (True, False), "lm_head": (False, False)}
 
@@ -69,33 +85,98 @@ def projection_shapes(shape: str) -> dict[str, tuple[int, int]]:
 
 class Chain:
     """The weights of ``layers`` layers (random bf16, distinct per layer) and the buffers of a
-    ``rows``-row step; `capture` records the chain for given configurations."""
+    ``rows``-row step; `capture` records the chain for given configurations. ``attention``:
+    each layer also holds a KV pool of ``context`` cached keys per row (one request per row)
+    and runs RoPE, decode attention and the RMSNorm before the MLP (see the module's docstring).
+    ``device``: CUDA, or the CPU under Triton's interpreter (`run` only: the tests)."""
 
-    def __init__(self, shape: str, rows: int, layers: int | None = None) -> None:
+    def __init__(self, shape: str, rows: int, layers: int | None = None, *, attention: bool = False, context: int = 128,
+                 device: str = "cuda") -> None:  # fmt: skip
         hidden, inter, qkv, vocab, default_layers = SHAPES[shape]
         self.layers = layers or default_layers
-        self.hidden, self.inter = hidden, inter
-        gen = torch.Generator(device="cuda").manual_seed(0)
+        self.hidden, self.inter, self.rows, self.attention = hidden, inter, rows, attention
+        self.heads, self.kv_heads, self.head_dim = HEADS[shape]
+        if qkv != (self.heads + 2 * self.kv_heads) * self.head_dim:
+            raise ValueError(f"shape {shape}: q/k/v width {qkv} does not match its heads {HEADS[shape]}")
+        gen = torch.Generator(device=device).manual_seed(0)
+        bf16 = dict(device=device, dtype=torch.bfloat16)
 
         def weight(n: int, k: int) -> torch.Tensor:
-            return (torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k**-0.5).contiguous()
+            return (torch.randn(n, k, generator=gen, **bf16) * k**-0.5).contiguous()
+
+        def norm_weight() -> torch.Tensor:
+            return 1 + 0.1 * torch.randn(hidden, generator=gen, **bf16)
 
         self.w = [dict(qkv=weight(qkv, hidden), o=weight(hidden, hidden), gate_up=weight(2 * inter, hidden),
-                       down=weight(hidden, inter), norm=1 + 0.1 * torch.randn(hidden, device="cuda", dtype=torch.bfloat16))
+                       down=weight(hidden, inter), norm=norm_weight(), norm2=norm_weight())
                   for _ in range(self.layers)]  # fmt: skip
         self.lm_head = weight(vocab, hidden)
-        self.x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
-        self.h = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
-        self.weight_bytes = sum(t.numel() * 2 for w in self.w for k, t in w.items() if k != "norm") + self.lm_head.numel() * 2
+        self.x = torch.randn(rows, hidden, generator=gen, **bf16)
+        self.h = torch.randn(rows, hidden, generator=gen, **bf16)
+        self.weight_bytes = sum(t.numel() * 2 for w in self.w for k, t in w.items() if not k.startswith("norm"))
+        self.weight_bytes += self.lm_head.numel() * 2
+        if attention:
+            self._attention_state(context, gen, device)
+
+    def _attention_state(self, context: int, gen: torch.Generator, device: str) -> None:
+        """Per layer a K and a V pool of consecutive pages per row, ``context`` random cached keys
+        each; the new token's slot, lengths, page table, RoPE rows and the decode kernel's
+        scratch (as `TritonBackend` sizes it for this batch)."""
+        from attngraph.attn_backends.triton_backend import TritonBackend
+
+        rows, hkv, d = self.rows, self.kv_heads, self.head_dim
+        self.context = context
+        pages = -(-(context + 1) // PAGE_SIZE)
+        slots = rows * pages * PAGE_SIZE
+        bf16 = dict(device=device, dtype=torch.bfloat16)
+        self.pools = [(torch.randn(slots, hkv, d, generator=gen, **bf16), torch.randn(slots, hkv, d, generator=gen, **bf16))
+                      for _ in range(self.layers)]  # fmt: skip
+        i32 = dict(device=device, dtype=torch.int32)
+        self.req_to_page = torch.arange(rows * pages, **i32).view(rows, pages)
+        self.req_idx = torch.arange(rows, **i32)
+        self.seq_lens = torch.full((rows,), context + 1, **i32)
+        self.new_loc = self.req_to_page[:, context // PAGE_SIZE].long() * PAGE_SIZE + context % PAGE_SIZE
+        angle = torch.rand(rows, d // 2, generator=gen, device=device) * 6.0
+        self.cos = torch.cat([angle.cos()] * 2, 1).to(torch.bfloat16)  # [rows, D], HF's layout
+        self.sin = torch.cat([angle.sin()] * 2, 1).to(torch.bfloat16)
+        self.max_splits = TritonBackend().decode_max_splits(rows, hkv, torch.device(device))
+        self.part_o = torch.empty(rows, self.heads, self.max_splits, d, device=device, dtype=torch.float32)
+        self.part_lse = torch.empty(rows, self.heads, self.max_splits, device=device, dtype=torch.float32)
+        self.counters = torch.zeros(rows * self.heads, **i32)
+
+    def _attend(self, qkv: torch.Tensor, layer: int) -> torch.Tensor:
+        """RoPE and decode attention of one layer: ``qkv: [rows, (Hq + 2 Hkv) D]`` -> ``[rows, Hq D]``
+        (the new K/V stored into the layer's pool by the decode kernel)."""
+        from attngraph.attn_backends.triton_ops.decode_attention import decode_attention_fwd
+        from attngraph.rope_kernel import rope_qk
+
+        rows, hq, hkv, d = self.rows, self.heads, self.kv_heads, self.head_dim
+        q = qkv[:, : hq * d].view(rows, hq, d)
+        k = qkv[:, hq * d : (hq + hkv) * d].view(rows, hkv, d)
+        v = qkv[:, (hq + hkv) * d :].view(rows, hkv, d)
+        q, k = rope_qk(q, k, self.cos, self.sin)
+        out = torch.empty(rows, hq, d, device=qkv.device, dtype=qkv.dtype)
+        k_pool, v_pool = self.pools[layer]
+        decode_attention_fwd(q, k_pool, v_pool, out, self.req_to_page, self.req_idx, self.seq_lens, self.part_o,
+                             self.part_lse, page_size=PAGE_SIZE, scale=d**-0.5, max_splits=self.max_splits, k_new=k,
+                             v_new=v, new_loc=self.new_loc, counters=self.counters)  # fmt: skip
+        return out.view(rows, hq * d)
 
     def run(self, configs: dict[str, dict | None]) -> torch.Tensor:
         """One pass of the chain with ``configs[name]`` (None: `default_config`'s)."""
-        down = self.x
-        h = self.h.clone()
-        for w in self.w:
-            qkv = skinny_rms_norm_linear(down, w["norm"], 1e-5, w["qkv"], residual=h, h_out=h, config=configs["qkv"])
-            o = skinny_linear(qkv[:, : self.hidden], w["o"], config=configs["o"])
-            gu = F.linear(o, w["gate_up"])
+        from attngraph.rms_norm import add_rms_norm
+
+        down, h = self.x, self.h
+        for layer, w in enumerate(self.w):
+            # a new residual stream: every program reads the old one for the norm's statistics
+            h, residual = torch.empty_like(h), h
+            qkv = skinny_rms_norm_linear(down, w["norm"], EPS, w["qkv"], residual=residual, h_out=h, config=configs["qkv"])
+            if self.attention:
+                o = skinny_linear(self._attend(qkv, layer), w["o"], config=configs["o"])
+                x, h = add_rms_norm(o, w["norm2"], EPS, residual=h)
+            else:
+                x = skinny_linear(qkv[:, : self.hidden], w["o"], config=configs["o"])
+            gu = F.linear(x, w["gate_up"])
             down = skinny_silu_mul_linear(gu[:, : self.inter], gu[:, self.inter :], w["down"], config=configs["down"])
         return skinny_linear(down, self.lm_head, config=configs["lm_head"])
 
@@ -130,30 +211,38 @@ def time_graphs(graphs: dict[str, torch.cuda.CUDAGraph], rounds: int, replays: i
     return times
 
 
-def sweep(base: dict, name: str, rows: int, n: int, k: int, block_n, block_k, stages) -> list[tuple[str, dict]]:
-    """Variants of projection ``name``: its `default_config` with BLOCK_N, BLOCK_K and
-    num_stages from the grids (an empty grid keeps the default's value; one 16-byte vector per
-    thread at least, fp32 accumulator at most 128 values per thread)."""
+def sweep(base: dict, name: str, rows: int, n: int, k: int, block_n, block_k, stages, preload=()) -> list[tuple[str, dict]]:
+    """Variants of projection ``name``: its `default_config` with BLOCK_N, BLOCK_K, num_stages
+    and PRELOAD from the grids (an empty grid keeps the default's value, PRELOAD's is 1; one
+    16-byte vector per thread at least, fp32 accumulator at most 128 values per thread)."""
     out = []
-    grid = (block_n or [base["BLOCK_N"]], block_k or [base["BLOCK_K"]], stages or [base["num_stages"]])
-    for bn, bk, st in itertools.product(*grid):
+    grid = (block_n or [base["BLOCK_N"]], block_k or [base["BLOCK_K"]], stages or [base["num_stages"]],
+            preload or [base.get("PRELOAD", 1)])  # fmt: skip
+    for bn, bk, st, pre in itertools.product(*grid):
         cfg = dict(base, BLOCK_N=bn, BLOCK_K=bk, num_stages=st)
+        if pre != base.get("PRELOAD", 1):
+            cfg["PRELOAD"] = pre
         if bk > k or bn * bk < 8 * 32 * cfg["num_warps"] or rows_padded(rows) * bn * bk > 128 * 32 * cfg["num_warps"]:
             continue
         if cfg != base:
-            out.append((f"{name} BLOCK_N={bn} BLOCK_K={bk} stages={st}", {name: cfg}))
+            label = f"{name} BLOCK_N={bn} BLOCK_K={bk} stages={st}" + (f" PRELOAD={pre}" if "PRELOAD" in cfg else "")
+            out.append((label, {name: cfg}))
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shape", default="1b", choices=sorted(SHAPES))
+    p.add_argument("--shape", default="1b", choices=["1b", "8b"])
     p.add_argument("--rows", type=int, default=1)
     p.add_argument("--layers", type=int, default=None, help="layers of the chain (default: the shape's)")
     p.add_argument("--sweep", default="qkv,o,down,lm_head", help="projections whose configurations are swept")
     p.add_argument("--block-n", default="2,4,8")
     p.add_argument("--block-k", default="512,1024")
     p.add_argument("--stages", default="1,2,3")
+    p.add_argument("--preload", default="1", help="PRELOAD values swept (1: the first weight chunk before the PDL wait)")
+    p.add_argument("--attention", action="store_true",
+                   help="each layer also runs RoPE, decode attention and the RMSNorm before the MLP")
+    p.add_argument("--context", type=int, default=128, help="cached keys per request with --attention")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--out", default=None)
@@ -163,7 +252,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_gemv_chain.py needs a CUDA device")
     ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
-    chain = Chain(args.shape, args.rows, args.layers)
+    chain = Chain(args.shape, args.rows, args.layers, attention=args.attention, context=args.context)
     shapes = projection_shapes(args.shape)
     defaults = {name: default_config(args.rows, n, k, silu_mul=PROJECTIONS[name][0], norm=PROJECTIONS[name][1])
                 for name, (n, k) in shapes.items()}  # fmt: skip
@@ -171,7 +260,7 @@ def main() -> None:
                                         ("unpipelined", {n: dict(c, num_stages=1) for n, c in defaults.items()})]  # fmt: skip
     for name in [s for s in args.sweep.split(",") if s]:
         variants += sweep(defaults[name], name, args.rows, *shapes[name], ints(args.block_n), ints(args.block_k),
-                          ints(args.stages))  # fmt: skip
+                          ints(args.stages), ints(args.preload))  # fmt: skip
     bw = copy_bandwidth()
     floor_ms = chain.weight_bytes / bw * 1e3
     graphs, outs, configs = {}, {}, {}
@@ -202,6 +291,7 @@ def main() -> None:
         best[name] = dict(winner["configs"][name], ms=winner["ms"])
     print("\nbest per projection:", json.dumps(best))
     result = result_header("bench_gemv_chain.py", shape=args.shape, rows=args.rows, layers=chain.layers,
+                           attention=args.attention, context=args.context if args.attention else None,
                            copy_bandwidth_GBps=round(bw / 1e9), floor_ms=round(floor_ms, 4), variants=rows, best=best)
     if args.out:
         with open(args.out, "w") as f:

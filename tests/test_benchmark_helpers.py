@@ -64,6 +64,83 @@ def test_gemv_table_and_chain_sweep(tmp_path):
     variants = bench_gemv_chain.sweep(base, "o", 1, 2048, 2048, [2, 4, 64], [1024], [])
     # the default itself is no variant; BLOCK_N=64 x BLOCK_K=1024 is too wide an accumulator
     assert [o for _, o in variants] == [{"o": dict(base, BLOCK_N=2)}]
+    # PRELOAD swept: the key appears only where it differs from the default (1)
+    variants = bench_gemv_chain.sweep(base, "o", 1, 2048, 2048, [4], [1024, 2048], [], [1, 0])
+    assert [o["o"] for _, o in variants] == [dict(base, PRELOAD=0), dict(base, BLOCK_K=2048),
+                                             dict(base, BLOCK_K=2048, PRELOAD=0)]  # fmt: skip
+    assert variants[0][0] == "o BLOCK_N=4 BLOCK_K=1024 stages=2 PRELOAD=0"
+    path.write_text(json.dumps({"plain": {"1,2048,2048": dict(cfg, PRELOAD=0)}}))
+    assert bench_generate.gemv_table(str(path), skinny_linear.default_config)(1, 2048, 2048)["PRELOAD"] == 0
+
+
+def _rms_norm(h: "torch.Tensor", weight: "torch.Tensor") -> "torch.Tensor":
+    import torch
+
+    return weight.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+
+def _attention_reference(q, keys, values, group: int):
+    """fp32 softmax attention of one token: ``q: [Hq, D]`` over ``keys, values: [L, Hkv, D]``."""
+    import torch
+
+    scores = torch.einsum("hd,khd->hk", q, keys.repeat_interleave(group, 1)) * q.shape[-1] ** -0.5
+    return torch.einsum("hk,khd->hd", scores.softmax(-1), values.repeat_interleave(group, 1))
+
+
+def test_chain_with_attention_runs_a_decode_layer():
+    """`bench_gemv_chain.Chain` with ``attention`` (the interpreter on the CPU, or CUDA):
+
+    * one layer's RoPE + decode attention (`Chain._attend`, 71 keys: two splits merged in the
+      launch) against fp32 torch ops over the pool's cached keys and the rotated new token,
+      which the kernel also stores at its slot;
+    * the whole chain (two layers of GEMVs, attention, add + RMSNorm, the MLP, the LM head)
+      against the same layers in fp32 torch ops: the logits' relative error."""
+    import torch
+    import torch.nn.functional as F
+
+    pytest.importorskip("triton")
+    bench_gemv_chain = bench_module("bench_gemv_chain")
+    from attngraph import skinny_linear
+    from attngraph.rope import rope_reference
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and (not skinny_linear.interpreting() or skinny_linear.interpreter_problem()):
+        pytest.skip("needs CUDA or Triton's interpreter")
+    context = 70
+    chain = bench_gemv_chain.Chain("tiny", 1, attention=True, context=context, device=device)
+    hq, hkv, d = chain.heads, chain.kv_heads, chain.head_dim
+    group = hq // hkv
+    assert chain.max_splits >= 2
+    cached = [(k.clone(), v.clone()) for k, v in chain.pools]
+    slots = (chain.req_to_page[0].long()[:, None] * bench_gemv_chain.PAGE_SIZE
+             + torch.arange(bench_gemv_chain.PAGE_SIZE, device=device)).flatten()[: context + 1]  # fmt: skip
+    cos, sin = chain.cos.float(), chain.sin.float()
+
+    def layer_attention(layer, q, k, v):  # q: [Hq, D], k / v: [Hkv, D] unrotated, fp32
+        q = rope_reference(q.view(1, hq, d), cos, sin)[0]
+        k = rope_reference(k.view(1, hkv, d), cos, sin)[0]
+        keys = torch.cat([cached[layer][0].float()[slots[:context]], k[None]])  # [context + 1, Hkv, D]
+        values = torch.cat([cached[layer][1].float()[slots[:context]], v.view(1, hkv, d)])
+        return _attention_reference(q, keys, values, group).reshape(1, hq * d), k
+
+    qkv = torch.randn(1, (hq + 2 * hkv) * d, device=device).to(torch.bfloat16)
+    got = chain._attend(qkv, 0).float()
+    want, k_rot = layer_attention(0, *qkv.float().split([hq * d, hkv * d, hkv * d], -1))
+    assert (got - want).abs().max() < 1e-2, (got - want).abs().max()
+    assert (chain.pools[0][0][slots[context]].float() - k_rot).abs().max() < 2e-2  # rotated, rounded to bf16
+    assert torch.equal(chain.pools[0][1][slots[context]], qkv[0, (hq + hkv) * d :].view(hkv, d))
+
+    got = chain.run({name: None for name in bench_gemv_chain.PROJECTIONS}).float()
+    down, h = chain.x.float(), chain.h.float()
+    for layer, w in enumerate(chain.w):
+        h = down + h
+        attn, _ = layer_attention(layer, *(_rms_norm(h, w["norm"]) @ w["qkv"].float().T).split([hq * d, hkv * d, hkv * d], -1))
+        h = attn @ w["o"].float().T + h
+        gate, up = (_rms_norm(h, w["norm2"]) @ w["gate_up"].float().T).chunk(2, -1)
+        down = (F.silu(gate) * up) @ w["down"].float().T
+    want = down @ chain.lm_head.float().T
+    assert got.shape == want.shape == (1, 256)
+    assert (got - want).norm() / want.norm() < 0.03
 
 
 def test_decode_step_timing_alternates_lengths_and_counts_collections(monkeypatch):
