@@ -38,7 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl, weight_prefetch
+from . import kernel_clock, pdl, weight_prefetch
+from .kernel_clock import now, sm_id, store_record
 from .pdl import gdc_launch_dependents, gdc_wait
 from .triton_math import round_to as _round
 from .weight_prefetch import prefetch_rows_l2
@@ -240,14 +241,14 @@ def _add_norm_out(y, r_rows, h_rows, H, Z, NW, Counters, offs_n, mask_m, y_mask,
 
 @triton.jit
 def _skinny_linear_kernel(
-    X, X2, W, Bias, Y, Part, Counters, NW, H, Cos, Sin,
+    X, X2, W, Bias, Y, Part, Counters, NW, H, Cos, Sin, Trace,
     M, N, K, k_per_split, eps, rope_cols,
     stride_xm, stride_x2m, stride_wn, stride_ym, stride_hm, stride_cm, stride_sm,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
     SOFT_BF16: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr,
     ROPE: tl.constexpr, ROPE_D: tl.constexpr, NORM_OUT: tl.constexpr, BLOCK_NO: tl.constexpr,
-    STAGES: tl.constexpr, PRELOAD: tl.constexpr,
+    STAGES: tl.constexpr, PRELOAD: tl.constexpr, TRACE: tl.constexpr,
 ):  # fmt: skip
     """``Y[:M] = h @ W^T (+ Bias)`` with ``h = X``; with ``SILU_MUL``, ``h = silu(X) * X2``
     (fp32, rounded to X's dtype); with ``NORM``, ``h = NW * rmsnorm(X)`` (HF's RMSNorm, ``eps``)
@@ -266,8 +267,15 @@ def _skinny_linear_kernel(
     stored; H (``[M, N]``) takes ``h = y + X2`` (X2 the ``[M, N]`` residual) and Y takes
     ``NW * rmsnorm(h)`` (NW ``[N]``, ``eps``), in the launch's last program (`_add_norm_out`).
     ``PRELOAD`` (with ``USE_PDL``): the first weight chunk loads before the wait; without it a
-    program waits first (the loop then starts at ``k_lo``)."""
+    program waits first (the loop then starts at ``k_lo``). ``TRACE``: each program's
+    `attngraph.kernel_clock` record in Trace (points 0 entry, 1 past the wait, 2 its sums
+    reduced, 5 done)."""
     pid_n = tl.program_id(0)
+    t0 = tl.full([], 0, tl.int64)
+    c0 = t0
+    t1, c1, t2, c2, t5, c5 = t0, t0, t0, t0, t0, t0
+    if TRACE:
+        t0, c0 = now(pid_n)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns = weight rows
     rows = tl.arange(0, ROWS)  # [ROWS], the first M real
     mask_m = rows < M
@@ -299,6 +307,8 @@ def _skinny_linear_kernel(
     if USE_PDL and not PRELOAD:  # every load after the wait: nothing competes with the kernel before
         gdc_wait()
         gdc_launch_dependents()
+        if TRACE:
+            t1, c1 = now(pid_n)
         if ROPE:
             rope_c, rope_s = _rope_rows(Cos, Sin, rows, mask_m, dims, in_rope, stride_cm, stride_sm)
     if USE_PDL and PRELOAD:
@@ -312,6 +322,8 @@ def _skinny_linear_kernel(
             prefetch_rows_l2(W, offs_n, N, stride_wn, k_lo + BLOCK_K, k_hi, BLOCK_N, BLOCK_K, LINE)
         gdc_wait()
         gdc_launch_dependents()
+        if TRACE:
+            t1, c1 = now(pid_n)
         if ROPE:  # cos and sin come from a kernel of this step: read after the wait
             rope_c, rope_s = _rope_rows(Cos, Sin, rows, mask_m, dims, in_rope, stride_cm, stride_sm)
         if NORM:  # the row statistics need all of x: every program reads it once (from L2)
@@ -337,6 +349,8 @@ def _skinny_linear_kernel(
         h = _rows_chunk(x_rows, x2_rows, NW, rstd, offs_k, mask_x, mask_k, SILU_MUL, NORM, RESIDUAL, DTYPE, SOFT_BF16)
         acc += h[:, None, :] * w.to(tl.float32)[None, :, :]  # [ROWS, BLOCK_N, BLOCK_K]
     res = tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
+    if TRACE:
+        t2, c2 = now(tl.sum(tl.sum(res, 1), 0).to(tl.int32, bitcast=True))
     y_ptrs = Y + rows[:, None] * stride_ym + offs_n[None, :]
     y_mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
@@ -367,6 +381,10 @@ def _skinny_linear_kernel(
             tl.store(y_ptrs, _output(total, rope_c, rope_s, in_rope, Y.dtype.element_ty, ROWS, BLOCK_N, ROPE, SOFT_BF16),
                      mask=y_mask)  # fmt: skip
             tl.store(Counters + pid_n, 0)  # every split has counted: ready for the next launch
+    if TRACE:
+        t5, c5 = now(pid_n)
+        program = pid_n * tl.num_programs(1) + tl.program_id(1)
+        store_record(Trace, program, t0, c0, t1, c1, t2, c2, t0 * 0, t0 * 0, t0 * 0, t0 * 0, t5, c5, sm_id(pid_n))
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -550,7 +568,7 @@ def _check_rows(name: str, t: torch.Tensor, what: str) -> None:
 
 
 def _launch(x, x2, weight, bias, out, config, silu_mul: bool, norm_weight=None, eps: float = 0.0, h_out=None,
-            rope=None, norm_out=None) -> torch.Tensor | None:  # fmt: skip
+            rope=None, norm_out=None, trace=None) -> torch.Tensor | None:  # fmt: skip
     """Launch the kernel for validated operands (``x``, ``x2``: ``[M, K]``; ``out``: ``[M, N]``;
     with ``norm_weight`` ``[K]`` the RMSNorm prologue, of ``x + x2`` into ``h_out`` when ``x2``
     is given; with ``rope`` = `check_rope_columns`'s result the rotation of the first columns;
@@ -591,12 +609,14 @@ def _launch(x, x2, weight, bias, out, config, silu_mul: bool, norm_weight=None, 
     norm_weight = norm_weight if norm or norm_out is not None else x  # read with NORM or NORM_OUT only
     use_pdl = pdl.enabled(x.device)
     prefetch = use_pdl and weight_prefetch.enabled(x.device)
+    if trace is not None:
+        check_trace(trace, blocks * split_k, x.device)
     # Triton launches on the current device
     guard = torch.cuda.device(x.device) if x.is_cuda and x.device.index != torch.cuda.current_device() else nullcontext()
     with guard:
         _skinny_linear_kernel[(blocks, split_k)](
             x, x2, weight, bias if bias is not None else weight, out, part, counters, norm_weight, h_out, rope_cos, rope_sin,
-            m, n, k, k_per_split, float(eps), rope_cols,
+            trace if trace is not None else counters, m, n, k, k_per_split, float(eps), rope_cols,
             x.stride(0), x2.stride(0), weight.stride(0), out.stride(0), h_out.stride(0), rope_cos.stride(0),
             rope_sin.stride(0),
             ROWS=rows_padded(m), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
@@ -605,7 +625,7 @@ def _launch(x, x2, weight, bias, out, config, silu_mul: bool, norm_weight=None, 
             USE_PDL=use_pdl, PREFETCH=prefetch, LINE=min(weight_prefetch.line_elements(weight), block_k),
             ROPE=rope is not None, ROPE_D=rope_d,
             NORM_OUT=norm_out is not None, BLOCK_NO=triton.next_power_of_2(n) if norm_out is not None else 1,
-            STAGES=cfg["num_stages"], PRELOAD=bool(cfg.get("PRELOAD", _OPTIONAL_KEYS["PRELOAD"])),
+            STAGES=cfg["num_stages"], PRELOAD=bool(cfg.get("PRELOAD", _OPTIONAL_KEYS["PRELOAD"])), TRACE=trace is not None,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch_options(use_pdl),
         )  # fmt: skip
     return out
@@ -621,6 +641,7 @@ def skinny_linear(
     rope_cos: torch.Tensor | None = None,
     rope_sin: torch.Tensor | None = None,
     rope_cols: int = 0,
+    trace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a few rows: ``x: [M, K]`` (``M <= MAX_ROWS``; rows any
     stride apart, unit stride along K), ``weight: [N, K]`` contiguous, ``bias: [N]`` or None
@@ -633,6 +654,9 @@ def skinny_linear(
     columns (heads of ``D``: a fused projection's q and k) leave rotated by HF's rotate-half
     RoPE, row ``r`` by ``cos[r]``, ``sin[r]``: ``y * cos + rotate_half(y) * sin`` on the
     rounded output ``y``, in fp32, rounded once (`attngraph.rope.rope_reference`).
+    ``trace``: int64 ``[>= programs, kernel_clock.RECORD]`` (a program per ``BLOCK_N`` columns
+    and K range): each program records timestamps into it (`attngraph.kernel_clock`; entry,
+    past the PDL wait, sums reduced, done). NVIDIA GPUs only; the values do not change.
     """
     what = "skinny_linear"
     _check_rows("x", x, what)
@@ -642,7 +666,16 @@ def skinny_linear(
         raise InputError(f"{what}: bias must be a contiguous {x.dtype} [{n}] on {x.device}; got {bias.dtype} {tuple(bias.shape)}")
     rope = check_rope_columns(what, x, n, rope_cos, rope_sin, rope_cols)
     out = _check_out(out, x, x.shape[0], n)
-    return _launch(x, None, weight, bias, out, config, silu_mul=False, rope=rope)
+    return _launch(x, None, weight, bias, out, config, silu_mul=False, rope=rope, trace=trace)
+
+
+def check_trace(trace: torch.Tensor, programs: int, device: torch.device) -> None:
+    """Refuse a trace buffer that cannot hold ``programs`` `attngraph.kernel_clock` records on
+    ``device`` (a GPU: Triton's interpreter has no timers)."""
+    if (trace.dtype != torch.int64 or not trace.is_contiguous() or trace.dim() != 2 or trace.shape[0] < programs
+            or trace.shape[1] != kernel_clock.RECORD or trace.device != device or interpreting()):  # fmt: skip
+        raise InputError(f"trace must be a contiguous int64 [>= {programs}, {kernel_clock.RECORD}] tensor on {device} "
+                         f"(a GPU: the interpreter has no timers); got {trace.dtype} {tuple(trace.shape)} on {trace.device}")
 
 
 def skinny_silu_mul_linear(

@@ -35,6 +35,7 @@ measured in the same run.
     python benchmarks/bench_gemv_chain.py --shape 1b --rows 1 --out results/gemv_chain.json
     python benchmarks/bench_gemv_chain.py --shape 8b --rows 1 --sweep down --stages 1,2,3
     python benchmarks/bench_gemv_chain.py --attention --sweep o --block-n 4 --block-k 1024,2048 --stages 1 --preload 1,0
+    python benchmarks/bench_gemv_chain.py --attention --trace --sweep ""   # where a layer's attention time goes
 
 Prints one JSON line per variant and a Markdown table; ends with the best configuration per
 projection (the `TUNED` entries of ``attngraph/skinny_linear.py`` to try in the model with
@@ -144,7 +145,19 @@ class Chain:
         self.part_lse = torch.empty(rows, self.heads, self.max_splits, device=device, dtype=torch.float32)
         self.counters = torch.zeros(rows * self.heads, **i32)
 
-    def _attend(self, qkv: torch.Tensor, layer: int) -> torch.Tensor:
+    def new_traces(self, configs: dict[str, dict | None]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer `attngraph.kernel_clock` buffers for its decode attention and its output
+        projection (``configs["o"]``'s programs) launches."""
+        from attngraph import kernel_clock
+        from attngraph.attn_backends.triton_ops.decode_attention import decode_programs
+
+        cfg = configs["o"] or default_config(self.rows, self.hidden, self.hidden)
+        o_programs = -(-self.hidden // cfg["BLOCK_N"]) * cfg["SPLIT_K"]
+        attn = decode_programs(self.rows, self.heads, self.kv_heads, self.head_dim, self.head_dim, torch.bfloat16,
+                               self.max_splits)  # fmt: skip
+        return [(kernel_clock.new_buffer(attn, "cuda"), kernel_clock.new_buffer(o_programs, "cuda")) for _ in self.w]
+
+    def _attend(self, qkv: torch.Tensor, layer: int, trace: torch.Tensor | None = None) -> torch.Tensor:
         """RoPE and decode attention of one layer: ``qkv: [rows, (Hq + 2 Hkv) D]`` -> ``[rows, Hq D]``
         (the new K/V stored into the layer's pool by the decode kernel)."""
         from attngraph.attn_backends.triton_ops.decode_attention import decode_attention_fwd
@@ -159,11 +172,13 @@ class Chain:
         k_pool, v_pool = self.pools[layer]
         decode_attention_fwd(q, k_pool, v_pool, out, self.req_to_page, self.req_idx, self.seq_lens, self.part_o,
                              self.part_lse, page_size=PAGE_SIZE, scale=d**-0.5, max_splits=self.max_splits, k_new=k,
-                             v_new=v, new_loc=self.new_loc, counters=self.counters)  # fmt: skip
+                             v_new=v, new_loc=self.new_loc, counters=self.counters, trace=trace)  # fmt: skip
         return out.view(rows, hq * d)
 
-    def run(self, configs: dict[str, dict | None]) -> torch.Tensor:
-        """One pass of the chain with ``configs[name]`` (None: `default_config`'s)."""
+    def run(self, configs: dict[str, dict | None], traces: list | None = None) -> torch.Tensor:
+        """One pass of the chain with ``configs[name]`` (None: `default_config`'s); ``traces``
+        (`new_traces`, with ``attention``): each layer's attention and output projection
+        record timestamps."""
         from attngraph.rms_norm import add_rms_norm
 
         down, h = self.x, self.h
@@ -172,7 +187,8 @@ class Chain:
             h, residual = torch.empty_like(h), h
             qkv = skinny_rms_norm_linear(down, w["norm"], EPS, w["qkv"], residual=residual, h_out=h, config=configs["qkv"])
             if self.attention:
-                o = skinny_linear(self._attend(qkv, layer), w["o"], config=configs["o"])
+                attn_trace, o_trace = traces[layer] if traces is not None else (None, None)
+                o = skinny_linear(self._attend(qkv, layer, attn_trace), w["o"], config=configs["o"], trace=o_trace)
                 x, h = add_rms_norm(o, w["norm2"], EPS, residual=h)
             else:
                 x = skinny_linear(qkv[:, : self.hidden], w["o"], config=configs["o"])
@@ -180,17 +196,85 @@ class Chain:
             down = skinny_silu_mul_linear(gu[:, : self.inter], gu[:, self.inter :], w["down"], config=configs["down"])
         return skinny_linear(down, self.lm_head, config=configs["lm_head"])
 
-    def capture(self, configs: dict[str, dict | None]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def capture(self, configs: dict[str, dict | None], traces: list | None = None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile and warm up outside the capture
-                self.run(configs)
+                self.run(configs, traces)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = self.run(configs)
+            out = self.run(configs, traces)
         return graph, out
+
+
+ATTENTION_POINTS = ("entry", "wait", "attended", "counted", "merged", "done")
+GEMV_POINTS = ("entry", "wait", "reduced", "unused3", "unused4", "done")
+
+
+def trace_summary(traces: list[tuple[list[dict], list[dict]]]) -> dict:
+    """Where one layer's decode attention and output projection spend their time, from the
+    `attngraph.kernel_clock` records of each layer (``(attention records, o records)``, as
+    `kernel_clock.decode` gives them). Every time is in microseconds after the first of the
+    layer's attention programs returned from its PDL wait, the median over the layers after the
+    first; ``first`` / ``last`` over a kernel's programs. Also the attention programs' median
+    phases from their own cycle counters, in microseconds at the clock the stamps give.
+
+    >>> attn = [dict(entry_us=1.0, wait_us=2.0, attended_us=3.0, counted_us=4.0, merged_us=5.0, done_us=5.5,
+    ...              wait_cycles=1000, attended_cycles=3000, counted_cycles=5000, merged_cycles=7000, done_cycles=8000)]
+    >>> o = [dict(entry_us=2.5, wait_us=6.5, reduced_us=7.5, done_us=8.0), dict(entry_us=3.0, wait_us=7.0, reduced_us=8.5, done_us=9.0)]
+    >>> s = trace_summary([(attn, o), (attn, o)])
+    >>> s["attention"]["done"]["last"], s["o"]["wait"]["first"], s["o"]["done"]["last"], s["boundary_us"]
+    (3.5, 4.5, 7.0, 1.0)
+    >>> s["attention_phases_us"]["attend"], s["ghz"]
+    (1.0, 2.0)
+    """
+    import statistics
+
+    def points(records, names):
+        out = {}
+        for n in names:
+            vals = [r[f"{n}_us"] for r in records if r.get(f"{n}_us") is not None]
+            if vals:
+                out[n] = (min(vals), max(vals))
+        return out
+
+    layers = traces[1:] or traces
+    per_layer = []
+    ghz = []
+    phases: dict[str, list[float]] = {"attend": [], "count": [], "merge": [], "store": []}
+    for attn, o in layers:
+        a, g = points(attn, ATTENTION_POINTS), points(o, GEMV_POINTS)
+        zero = a["wait"][0]
+        per_layer.append({"attention": {k: (lo - zero, hi - zero) for k, (lo, hi) in a.items()},
+                          "o": {k: (lo - zero, hi - zero) for k, (lo, hi) in g.items()}})  # fmt: skip
+        for r in attn:
+            if r.get("done_us") is not None and r.get("wait_us") is not None and r["done_us"] > r["wait_us"]:
+                ghz.append((r["done_cycles"] - r["wait_cycles"]) / ((r["done_us"] - r["wait_us"]) * 1e3))
+            for phase, lo, hi in (("attend", "wait", "attended"), ("count", "attended", "counted"),
+                                  ("merge", "counted", "merged"), ("store", "merged", "done")):  # fmt: skip
+                if r.get(f"{lo}_cycles") is not None and r.get(f"{hi}_cycles") is not None:
+                    phases[phase].append(r[f"{hi}_cycles"] - r[f"{lo}_cycles"])
+    clock = statistics.median(ghz) if ghz else None
+    med = lambda vals: round(statistics.median(vals), 3)  # noqa: E731
+    out: dict = {"layers": len(layers), "ghz": round(clock, 3) if clock else None}
+    for kernel in ("attention", "o"):
+        out[kernel] = {p: {"first": med([L[kernel][p][0] for L in per_layer]), "last": med([L[kernel][p][1] for L in per_layer])}
+                       for p in per_layer[0][kernel]}  # fmt: skip
+    out["boundary_us"] = round(out["o"]["wait"]["first"] - out["attention"]["done"]["last"], 3)
+    out["attention_phases_us"] = {p: round(statistics.median(v) / clock / 1e3, 3) for p, v in phases.items() if v and clock}
+    return out
+
+
+def print_trace_summary(label: str, summary: dict) -> None:
+    print(f"\n{label}: us after decode attention's first program passed its PDL wait (median of {summary['layers']} layers)")
+    print("| kernel | point | first program | last program |\n| --- | --- | ---: | ---: |")
+    for kernel in ("attention", "o"):
+        for point, v in summary[kernel].items():
+            print(f"| {kernel} | {point} | {v['first']:.3f} | {v['last']:.3f} |")
+    print(f"attention done -> o projection released: {summary['boundary_us']} us; attention programs' phases (us, "
+          f"{summary['ghz']} GHz): {json.dumps(summary['attention_phases_us'])}")
 
 
 def time_graphs(graphs: dict[str, torch.cuda.CUDAGraph], rounds: int, replays: int) -> dict[str, list[float]]:
@@ -243,6 +327,9 @@ def main() -> None:
     p.add_argument("--attention", action="store_true",
                    help="each layer also runs RoPE, decode attention and the RMSNorm before the MLP")
     p.add_argument("--context", type=int, default=128, help="cached keys per request with --attention")
+    p.add_argument("--trace", action="store_true",
+                   help="with --attention: also replay each variant with timestamps recorded inside its decode attention "
+                        "and output projection kernels (attngraph.kernel_clock), and print where a layer's time goes")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--out", default=None)
@@ -271,7 +358,23 @@ def main() -> None:
             configs[label] = cfgs
         except Exception as exc:  # a configuration Triton cannot compile: report, go on
             print(json.dumps(dict(variant=label, error=f"{type(exc).__name__}: {exc}"[:300])), flush=True)
+    if args.trace and not args.attention:
+        p.error("--trace needs --attention")
     times = time_graphs(graphs, args.rounds, args.replays)
+    traced = {}
+    if args.trace:  # separate graphs: the stamps cost a little, the timed graphs hold none
+        from attngraph import kernel_clock
+
+        for label, cfgs in configs.items():
+            bufs = chain.new_traces(cfgs)
+            graph, _ = chain.capture(cfgs, bufs)
+            for _ in range(3):
+                graph.replay()
+            torch.cuda.synchronize()
+            traced[label] = trace_summary([(kernel_clock.decode(a, ATTENTION_POINTS), kernel_clock.decode(o, GEMV_POINTS))
+                                           for a, o in bufs])  # fmt: skip
+            print_trace_summary(label, traced[label])
+            del graph
     ref = outs["default"].float()
     rows = []
     for label, ts in times.items():
@@ -292,7 +395,8 @@ def main() -> None:
     print("\nbest per projection:", json.dumps(best))
     result = result_header("bench_gemv_chain.py", shape=args.shape, rows=args.rows, layers=chain.layers,
                            attention=args.attention, context=args.context if args.attention else None,
-                           copy_bandwidth_GBps=round(bw / 1e9), floor_ms=round(floor_ms, 4), variants=rows, best=best)
+                           copy_bandwidth_GBps=round(bw / 1e9), floor_ms=round(floor_ms, 4), variants=rows, best=best,
+                           traces=traced or None)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

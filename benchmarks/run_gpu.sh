@@ -10,9 +10,9 @@
 #   bash benchmarks/run_gpu.sh prefill # prefill steps per CUDA-graph mode, then accelerate() alone
 #   bash benchmarks/run_gpu.sh kernels # kernels per prefill / decode step, by class and name
 #   bash benchmarks/run_gpu.sh decode  # the 1B decode step: exposed time per kernel (and per launch in
-#                                      # order), the projections alone, decode attention's key blocks
-#                                      # alone, and the step with the output projection's weight loaded
-#                                      # before or after the PDL wait (gemv_tables/), interleaved
+#                                      # order); its kernels without the model, timestamps inside decode
+#                                      # attention and the o projection; the step with the GEMVs' weight
+#                                      # loaded before or after the PDL wait (gemv_tables/), interleaved
 #   QUICK=1 ...                        # shorter benchmark: quick kernel shapes, batch 1 only
 set -u
 OUT=${OUT:-benchmarks/results}
@@ -63,13 +63,16 @@ if [ "$stage" = decode ]; then
     timeout 150 python3 benchmarks/profile_kernels.py --backend triton --tokens "" --decode-batch 1 \
         --out "$OUT/decode_kernels.json" > "$OUT/decode_kernels.log" 2>&1
     echo "profile_kernels rc=$?" >> "$OUT/device.txt"
-    timeout 100 python3 benchmarks/bench_gemv_chain.py --shape 1b --rows 1 --sweep "" \
-        --out "$OUT/gemv_chain.json" > "$OUT/gemv_chain.md" 2>&1
-    echo "bench_gemv_chain rc=$?" >> "$OUT/device.txt"
-    timeout 100 python3 benchmarks/bench_attention.py --backends triton --decode-only --head-dim 64 \
-        --decode-shapes 1x256,1x4096,16x256,64x2048 --decode-block-ns 64,256 \
-        --out "$OUT/decode_blocks.json" > "$OUT/decode_blocks.md" 2> "$OUT/decode_blocks.log"
-    echo "bench_attention rc=$?" >> "$OUT/device.txt"
+    # the step's kernels without the model (GEMVs, RoPE, decode attention, norm, cuBLAS gate/up),
+    # each GEMV's weight before / after the PDL wait, with timestamps inside attention and o
+    timeout 120 python3 benchmarks/bench_gemv_chain.py --shape 1b --rows 1 --attention --trace --sweep qkv,o,down \
+        --block-n 4 --block-k 1024 --stages 1 --preload 1,0 \
+        --out "$OUT/layer_chain.json" > "$OUT/layer_chain.md" 2>&1
+    echo "bench_gemv_chain --attention rc=$?" >> "$OUT/device.txt"
+    timeout 100 python3 benchmarks/bench_gemv_chain.py --shape 1b --rows 1 --attention --trace --sweep o \
+        --block-n 2,4 --block-k 2048 --stages 1 --preload 1,0 \
+        --out "$OUT/layer_chain_o.json" > "$OUT/layer_chain_o.md" 2>&1
+    echo "bench_gemv_chain --attention o rc=$?" >> "$OUT/device.txt"
     # where the GEMVs after decode attention load their weight: before the PDL wait (the tuned
     # default: the first chunk; the whole tile; half a chunk) or after it (PRELOAD 0)
     T=benchmarks/gemv_tables

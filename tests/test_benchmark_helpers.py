@@ -40,7 +40,8 @@ def test_profile_kernels_helpers():
 def test_gemv_table_and_chain_sweep(tmp_path):
     """`bench_generate.gemv_table`: a JSON entry wins for its kind and padded row count, the
     module's tables answer the rest, ``unpipelined`` keeps one stage; `bench_gemv_chain.sweep`
-    varies one projection and prunes tiles a thread cannot hold."""
+    varies one projection and prunes tiles a thread cannot hold; `bench_gemv_chain.trace_summary`
+    (its doctest) reads the kernels' timestamps."""
     import json
 
     pytest.importorskip("triton")
@@ -60,6 +61,8 @@ def test_gemv_table_and_chain_sweep(tmp_path):
     path.write_text(json.dumps({"plain": {"1,2048,2048": dict(cfg, BLOCK_N=3)}}))
     with pytest.raises(InputError, match="power of two"):
         bench_generate.gemv_table(str(path), skinny_linear.default_config)
+    failed, attempted = doctest.testmod(bench_gemv_chain)  # `trace_summary`'s example
+    assert attempted >= 1 and failed == 0
     base = dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=2, SPLIT_K=1)
     variants = bench_gemv_chain.sweep(base, "o", 1, 2048, 2048, [2, 4, 64], [1024], [])
     # the default itself is no variant; BLOCK_N=64 x BLOCK_K=1024 is too wide an accumulator

@@ -42,7 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ... import pdl
+from ... import kernel_clock, pdl
+from ...kernel_clock import now, sm_id, store_record
 from ...pdl import gdc_launch_dependents, gdc_wait
 from ...errors import InputError
 from ...triton_math import rotate_half_rows, round_to
@@ -226,7 +227,7 @@ def _attend_block(q, q_tail, kt, kt_tail, v, k_new, k_new_tail, v_new, m_i, l_i,
 @triton.jit(do_not_specialize=["max_splits", "stride_plh"])
 def _decode_stage1_kernel(
     Q, K, V, ReqToPage, ReqIdx, SeqLens, PartO, PartLse, Slopes,
-    KNew, VNew, NewLoc, Out, Sinks, Counters, RopeCos, RopeSin,
+    KNew, VNew, NewLoc, Out, Sinks, Counters, RopeCos, RopeSin, Trace,
     scale, logit_cap, window, chunk, max_splits, min_split_len,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_rtp,
     stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
@@ -237,7 +238,15 @@ def _decode_stage1_kernel(
     HEAD_BLOCKS: tl.constexpr, BLOCK_DT: tl.constexpr, HAS_TAIL: tl.constexpr,
     NEW_KV: tl.constexpr, MERGE: tl.constexpr, HAS_SINKS: tl.constexpr, USE_PDL: tl.constexpr,
     PREFETCH: tl.constexpr, ROPE: tl.constexpr, SOFT_BF16: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    TRACE: tl.constexpr,
 ):  # fmt: skip
+    # TRACE (attngraph.kernel_clock): each program's record in Trace, points 0 entry, 1 past the
+    # wait, 2 its split attended, 3 counted on the tile's counter, 4 merged, 5 done.
+    t0 = tl.full([], 0, tl.int64)
+    c0 = t0
+    t1, c1, t2, c2, t3, c3, t4, c4, t5, c5 = t0, t0, t0, t0, t0, t0, t0, t0, t0, t0
+    if TRACE:
+        t0, c0 = now(tl.program_id(0))
     # PDL (attngraph.pdl): the kernel may start before the one producing q (and k_new / v_new)
     # has finished. Only that kernel's outputs are unsafe before gdc_wait: the page table, the
     # lengths, the new token's slot and the pool's keys before seq_len - 1 were written by
@@ -246,6 +255,8 @@ def _decode_stage1_kernel(
     if USE_PDL and not PREFETCH:
         gdc_wait()
         gdc_launch_dependents()
+        if TRACE:
+            t1, c1 = now(tl.program_id(0))
     b = tl.program_id(0)
     kvh = tl.program_id(1) // HEAD_BLOCKS  # the KV head, and which BLOCK_H of its group's query heads
     hb = tl.program_id(1) % HEAD_BLOCKS
@@ -275,6 +286,9 @@ def _decode_stage1_kernel(
                                         PAGE_SIZE, HAS_TAIL)  # fmt: skip
         gdc_wait()
         gdc_launch_dependents()
+        if TRACE:
+            t1, c1 = now(tl.program_id(0))
+    program = (b * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + sid  # the record's row (TRACE)
     k_new = offs_d  # placeholders without NEW_KV (never read)
     k_new_tail = offs_dt
     v_new = offs_dv
@@ -335,6 +349,9 @@ def _decode_stage1_kernel(
     if MERGE:  # split 0 of a request without keys still runs: it writes the request's zeros
         runs = tl.maximum(num_splits, 1)
     if sid >= runs:
+        if TRACE:
+            t5, c5 = now(runs)
+            store_record(Trace, program, t0, c0, t1, c1, t2, c2, t3, c3, t4, c4, t5, c5, sm_id(runs))
         return
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, log2 units
@@ -363,6 +380,8 @@ def _decode_stage1_kernel(
     # This split's normalised output and log-sum-exp (base 2): [BLOCK_H, BLOCK_DV], [BLOCK_H].
     part_o = acc / l_i[:, None]
     part_lse = m_i + tl.log2(l_i)
+    if TRACE:
+        t2, c2 = now(tl.sum(part_lse, 0).to(tl.int32, bitcast=True))
     mask_o = mask_h[:, None] & mask_dv[None, :]
     po_ptrs = PartO + b * stride_pob + heads[:, None] * stride_poh + offs_dv[None, :]  # split 0's
     pl_ptrs = PartLse + b * stride_plb + heads * stride_plh
@@ -384,6 +403,8 @@ def _decode_stage1_kernel(
             done = tl.atomic_add(counter, 1, sem="acq_rel")
             tl.debug_barrier()
             last = done == num_splits - 1
+            if TRACE:
+                t3, c3 = now(done)
         if last:
             m = tl.full([BLOCK_H], float("-inf"), tl.float32)
             l = tl.zeros([BLOCK_H], tl.float32)
@@ -410,8 +431,13 @@ def _decode_stage1_kernel(
                 res = res * alpha[:, None]
                 l = l * alpha + tl.exp2(sink - m_new)
             res = tl.where(l[:, None] > 0, res / tl.where(l > 0, l, 1.0)[:, None], 0.0)  # seq_len = 0: zeros
+            if TRACE:
+                t4, c4 = now(tl.sum(l, 0).to(tl.int32, bitcast=True))
             o_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :]
             tl.store(o_ptrs, res.to(Out.dtype.element_ty), mask=mask_o)
+    if TRACE:
+        t5, c5 = now(sid)
+        store_record(Trace, program, t0, c0, t1, c1, t2, c2, t3, c3, t4, c4, t5, c5, sm_id(sid))
 
 
 @triton.jit(do_not_specialize=["max_splits", "stride_plh"])
@@ -536,6 +562,13 @@ def merge_chunk(block_h: int, block_dv: int) -> int:
     return min(MAX_MERGE_CHUNK, 1 << (max(fit, 1).bit_length() - 1))
 
 
+def decode_programs(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int,
+                    dtype: torch.dtype, max_splits: int) -> int:  # fmt: skip
+    """Stage-1 programs of one `decode_attention_fwd` launch (rows of its ``trace``)."""
+    group = num_q_heads // num_kv_heads
+    return batch * num_kv_heads * triton.cdiv(group, decode_block_h(group, head_dim, v_head_dim, dtype)) * max_splits
+
+
 def decode_num_warps(head_dim: int, v_head_dim: int, block_n: int = 64) -> int:
     """Warps per stage-1 program: 8 for the latent form's wide tiles and blocks of 256 keys
     (their K and V tiles held in registers across the wait), else 4."""
@@ -584,6 +617,7 @@ def decode_attention_fwd(
     counters: torch.Tensor | None = None,
     rope_cos: torch.Tensor | None = None,
     rope_sin: torch.Tensor | None = None,
+    trace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of one new token per request over its paged keys ``0..seq_len-1``.
 
@@ -625,6 +659,10 @@ def decode_attention_fwd(
     rope_cos, rope_sin: ``[B, D]`` rows of HF's rotary embedding (q's dtype, unit stride in D;
         `attngraph.rope`): q and ``k_new`` are given before the rotation and the kernel applies
         it (the pool stores the rotated key). Needs ``k_new`` and a power-of-two head dim.
+    trace: int64 ``[programs, kernel_clock.RECORD]`` (``programs = B * Hkv * head blocks *
+        max_splits``, `decode_programs`): stage 1 records timestamps of each program into it
+        (`attngraph.kernel_clock`; entry, past the PDL wait, split attended, counted, merged,
+        done). NVIDIA GPUs only; the values computed do not change.
 
     Returns ``out``. Launches: one with ``counters``, else two; the new K/V cost no launch of
     their own.
@@ -674,10 +712,16 @@ def decode_attention_fwd(
     cap = float(logit_cap) if logit_cap > 0 else 1.0
     sinks_arg = check_sinks(sinks, hq, q)
     use_pdl = pdl.enabled(q.device)
+    if trace is not None:
+        programs = bsz * hkv * head_blocks * max_splits
+        if trace.dtype != torch.int64 or not trace.is_contiguous() or trace.dim() != 2 or trace.shape[0] < programs \
+                or trace.shape[1] != kernel_clock.RECORD or trace.device != q.device or interpreting():  # fmt: skip
+            raise ValueError(f"trace must be a contiguous int64 [>= {programs}, {kernel_clock.RECORD}] tensor on "
+                             f"{q.device} (a GPU: the interpreter has no timers); got {trace.dtype} {tuple(trace.shape)}")  # fmt: skip
     _decode_stage1_kernel[(bsz, hkv * head_blocks, max_splits)](
         q, k_buffer, v_buffer, req_to_page, req_pool_indices, seq_lens, partial_out, partial_lse, slopes,
         k_new, v_new, new_loc, out, sinks_arg, seq_lens if counters is None else counters, rope_cos, rope_sin,
-        float(scale), cap, window, chunk, max_splits, min_split_len,
+        seq_lens if trace is None else trace, float(scale), cap, window, chunk, max_splits, min_split_len,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_page.stride(0),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
@@ -690,7 +734,7 @@ def decode_attention_fwd(
         HEAD_BLOCKS=head_blocks, BLOCK_DT=max(block_dt, 16), HAS_TAIL=block_dt > 0,
         NEW_KV=new_kv, MERGE=counters is not None, HAS_SINKS=sinks is not None, USE_PDL=use_pdl,
         PREFETCH=use_pdl and new_kv, ROPE=rope, SOFT_BF16=q.dtype == torch.bfloat16 and interpreting(),
-        MERGE_CHUNK=merge_chunk(block_h, block_dv),
+        MERGE_CHUNK=merge_chunk(block_h, block_dv), TRACE=trace is not None,
         num_warps=decode_num_warps(d, dv, block_n), num_stages=2, **pdl.launch_options(use_pdl),
     )  # fmt: skip
     if counters is not None:
