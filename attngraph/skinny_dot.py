@@ -46,6 +46,7 @@ from .skinny_linear import (
     _rope_rows,
     check_norm_operands,
     check_rope_columns,
+    refuse_overlap,
     split_plan,
 )
 from .triton_math import round_to as _round
@@ -343,6 +344,7 @@ def skinny_dot_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                              or (n > 1 and bias.stride(0) != 1)):  # fmt: skip
         raise InputError(f"{what}: bias must be a contiguous {x.dtype} [{n}] on {x.device}; got {bias.dtype} {tuple(bias.shape)}")
     rope = check_rope_columns(what, x, n, rope_cos, rope_sin, rope_cols)
+    refuse_overlap(what, {"out": out}, {"x": x})
     return _launch(x, None, weight, bias, out, config, silu_mul=False, rope=rope)
 
 
@@ -360,6 +362,7 @@ def skinny_dot_silu_mul_linear(a: torch.Tensor, b: torch.Tensor, weight: torch.T
     out = _check_operands(what, a, weight, out)
     if b.dim() == 2 and b.shape[1] > 1 and b.stride(1) != 1:
         raise InputError(f"{what}: b must be contiguous in its last dimension; got strides {tuple(b.stride())}")
+    refuse_overlap(what, {"out": out}, {"a": a, "b": b})
     return _launch(a, b, weight, None, out, config, silu_mul=True)
 
 
@@ -395,5 +398,6 @@ def skinny_dot_rms_norm_linear(
     out = _check_operands(what, x, weight, out)
     h_out = check_norm_operands(what, x, residual, h_out, norm_weight, bias, weight.shape[0])
     rope = check_rope_columns(what, x, weight.shape[0], rope_cos, rope_sin, rope_cols)
+    refuse_overlap(what, {"out": out, "h_out": h_out}, {"x": x, "residual": residual})
     return _launch(x, residual, weight, bias, out, config, silu_mul=False, norm_weight=norm_weight, eps=eps, h_out=h_out,
                    rope=rope)  # fmt: skip

@@ -503,6 +503,33 @@ def split_plan(k: int, split: int, block_k: int, blocks: int, device: torch.devi
 
 
 # ----------------------------------------------------------------------------- launchers
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """``[first, last + 1)`` byte addresses ``t``'s elements span (empty for no elements)."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def refuse_overlap(what: str, written: dict, read: dict) -> None:
+    """Refuse an output (``written``: name -> tensor or None) whose bytes overlap an input
+    (``read``): a launch's programs write their outputs while others still read the inputs
+    (the norm's statistics read whole rows of x in every program), so an in-place call would
+    read values already overwritten. Spans are compared, so interleaved strided views are
+    refused too (pass copies)."""
+    for out_name, out in written.items():
+        if out is None:
+            continue
+        lo, hi = _byte_span(out)
+        for in_name, t in read.items():
+            if t is None or t.numel() == 0 or out.numel() == 0:
+                continue
+            t_lo, t_hi = _byte_span(t)
+            if lo < t_hi and t_lo < hi:
+                raise InputError(f"{what}: {out_name} overlaps {in_name} in memory; the kernel's programs write it while "
+                                 f"others still read {in_name} (pass a separate tensor)")  # fmt: skip
+
+
 def _check_out(out: torch.Tensor | None, like: torch.Tensor, m: int, n: int, name: str = "out") -> torch.Tensor:
     if out is None:
         return torch.empty((m, n), dtype=like.dtype, device=like.device)
@@ -666,6 +693,7 @@ def skinny_linear(
         raise InputError(f"{what}: bias must be a contiguous {x.dtype} [{n}] on {x.device}; got {bias.dtype} {tuple(bias.shape)}")
     rope = check_rope_columns(what, x, n, rope_cos, rope_sin, rope_cols)
     out = _check_out(out, x, x.shape[0], n)
+    refuse_overlap(what, {"out": out}, {"x": x})
     return _launch(x, None, weight, bias, out, config, silu_mul=False, rope=rope, trace=trace)
 
 
@@ -703,6 +731,7 @@ def skinny_silu_mul_linear(
                          f"on {a.device} and {b.dtype} {tuple(b.shape)} on {b.device}")  # fmt: skip
     n = _check_weight(weight, a.shape[1], a, what)
     out = _check_out(out, a, a.shape[0], n)
+    refuse_overlap(what, {"out": out}, {"a": a, "b": b})
     return _launch(a, b, weight, None, out, config, silu_mul=True)
 
 
@@ -737,6 +766,7 @@ def skinny_rms_norm_linear(
     h_out = check_norm_operands(what, x, residual, h_out, norm_weight, bias, n)
     rope = check_rope_columns(what, x, n, rope_cos, rope_sin, rope_cols)
     out = _check_out(out, x, x.shape[0], n)
+    refuse_overlap(what, {"out": out, "h_out": h_out}, {"x": x, "residual": residual})
     return _launch(x, residual, weight, bias, out, config, silu_mul=False, norm_weight=norm_weight, eps=eps, h_out=h_out,
                    rope=rope)  # fmt: skip
 
@@ -778,6 +808,10 @@ def skinny_linear_add_rms_norm(
     # the norm's operands, checked as those of a norm over the [M, N] rows
     h_out = check_norm_operands(what, residual, residual, h_out, norm_weight, bias, n)
     out = _check_out(out, x, m, n)
+    # each program reads its own columns of the residual before writing them to h_out, so
+    # h_out may be the residual; the last program reads h_out whole to write out
+    refuse_overlap(what, {"out": out}, {"x": x, "residual": residual, "h_out": h_out})
+    refuse_overlap(what, {"h_out": h_out}, {"x": x})
     if _launch(x, None, weight, bias, out, config, silu_mul=False, eps=eps, norm_out=(residual, norm_weight, h_out)) is None:
         y = _launch(x, None, weight, bias, torch.empty((m, n), dtype=x.dtype, device=x.device), config, silu_mul=False)
         normed, h = add_rms_norm(y, norm_weight, eps, residual)

@@ -108,6 +108,16 @@ def test_refusals(device):
         sd.skinny_dot_linear(x, w, config=cfg(48, 32))
     with pytest.raises(InputError, match=">= 16"):
         sd.skinny_dot_linear(x, w, config=cfg(8, 32))
+    # an output sharing memory with an input its programs still read
+    xs, rs = (torch.randn(4, 64, dtype=torch.bfloat16, device=device) for _ in range(2))
+    nw = torch.rand(64, dtype=torch.bfloat16, device=device) + 0.5
+    w64 = torch.randn(64, 64, dtype=torch.bfloat16, device=device)
+    with pytest.raises(InputError, match="out overlaps x"):
+        sd.skinny_dot_linear(xs, w64, out=xs)
+    with pytest.raises(InputError, match="out overlaps a"):
+        sd.skinny_dot_silu_mul_linear(xs, rs, w64, out=xs)
+    with pytest.raises(InputError, match="h_out overlaps residual"):
+        sd.skinny_dot_rms_norm_linear(xs, nw, 1e-5, w64, residual=rs, h_out=rs)
 
 
 def test_empty_shapes(device):

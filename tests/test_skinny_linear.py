@@ -345,6 +345,38 @@ def test_launcher_refusals(device):
             call()
 
 
+def test_outputs_overlapping_inputs_are_refused(device):
+    """An output sharing memory with an input the launch's programs still read (in-place: the
+    norm's statistics read whole rows of x in every program) is refused before any launch, and
+    the inputs are left as they were; byte spans are compared, so views interleaved with an
+    input (other columns of its rows) count as overlapping. The output projection's epilogue
+    may write its residual stream in place (each program reads its own columns first)."""
+    gen = torch.Generator().manual_seed(4)
+    buf = rand(gen, 2, 256, dtype=torch.bfloat16, device=device)
+    x, r = buf[:, :64], rand(gen, 2, 64, dtype=torch.bfloat16, device=device)
+    w = rand(gen, 64, 64, dtype=torch.bfloat16, device=device)
+    nw = rand(gen, 64, dtype=torch.bfloat16, device=device)
+    before, r_before = buf.clone(), r.clone()
+    cases = [
+        (lambda: sl.skinny_linear(x, w, out=x), "out overlaps x"),
+        (lambda: sl.skinny_linear(x, w, out=buf[:, 32:96]), "out overlaps x"),  # a partial overlap
+        (lambda: sl.skinny_linear(x, w, out=buf[:, 128:192]), "out overlaps x"),  # interleaved rows
+        (lambda: sl.skinny_silu_mul_linear(x, r, w, out=r), "out overlaps b"),
+        (lambda: sl.skinny_rms_norm_linear(x, nw, 1e-5, w, residual=r, h_out=r), "h_out overlaps residual"),
+        (lambda: sl.skinny_rms_norm_linear(x, nw, 1e-5, w, residual=r, out=x), "out overlaps x"),
+        (lambda: sl.skinny_linear_add_rms_norm(x, w, None, r, nw, 1e-5, out=r), "out overlaps residual"),
+    ]
+    for call, match in cases:
+        with pytest.raises(InputError, match=match):
+            call()
+    assert torch.equal(buf, before) and torch.equal(r, r_before)
+    # separate outputs, and h_out in place of the output projection's residual, are taken
+    y, h = sl.skinny_linear_add_rms_norm(x, w, None, r.clone(), nw, 1e-5)
+    y2, h2 = sl.skinny_linear_add_rms_norm(x, w, None, r, nw, 1e-5, h_out=r)
+    assert torch.equal(y2, y) and torch.equal(h2, h) and h2.data_ptr() == r.data_ptr()
+    assert torch.equal(sl.skinny_linear(x, w, out=torch.empty_like(r)), sl.skinny_linear(x, w))
+
+
 def test_launcher_refuses_cpu_tensors_without_the_interpreter(monkeypatch):
     monkeypatch.setattr(sl, "interpreting", lambda: False)
     x, w, _ = make(0, 2, 37, 100, torch.bfloat16, "cpu")
