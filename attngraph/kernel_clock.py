@@ -15,7 +15,9 @@ atomic or a reduction marks its result's arrival, not the instruction's issue. N
 only: Triton's interpreter has no timers (`RECORD` and `decode` are plain Python).
 
 Record of one program (int64, `RECORD` values): ``POINTS`` global-timer stamps (ns), ``POINTS``
-cycle stamps, then the SM's index; a point the program did not pass stays 0.
+cycle stamps, then the SM's index; a point the program did not pass stays 0. The kernels put the
+entry in point 0 and the return from the PDL wait in point 1 (the entry again when launched
+without PDL).
 """
 
 from __future__ import annotations

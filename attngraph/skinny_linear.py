@@ -276,6 +276,7 @@ def _skinny_linear_kernel(
     t1, c1, t2, c2, t5, c5 = t0, t0, t0, t0, t0, t0
     if TRACE:
         t0, c0 = now(pid_n)
+        t1, c1 = t0, c0  # without PDL no wait: "past the wait" is the entry
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns = weight rows
     rows = tl.arange(0, ROWS)  # [ROWS], the first M real
     mask_m = rows < M

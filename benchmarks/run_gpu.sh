@@ -10,9 +10,11 @@
 #   bash benchmarks/run_gpu.sh prefill # prefill steps per CUDA-graph mode, then accelerate() alone
 #   bash benchmarks/run_gpu.sh kernels # kernels per prefill / decode step, by class and name
 #   bash benchmarks/run_gpu.sh decode  # the 1B decode step: exposed time per kernel (and per launch in
-#                                      # order); its kernels without the model, timestamps inside decode
-#                                      # attention and the o projection; the step with the GEMVs' weight
-#                                      # loaded before or after the PDL wait (gemv_tables/), interleaved
+#                                      # order); its kernels without the model (with and without PDL), the
+#                                      # GEMVs' weight before or after the PDL wait, timestamps inside decode
+#                                      # attention and the o projection (about 6 minutes)
+#   bash benchmarks/run_gpu.sh decode-step  # the step in generate with the GEMVs' weight loaded before
+#                                      # or after the PDL wait (gemv_tables/), interleaved (about 5 minutes)
 #   QUICK=1 ...                        # shorter benchmark: quick kernel shapes, batch 1 only
 set -u
 OUT=${OUT:-benchmarks/results}
@@ -73,6 +75,12 @@ if [ "$stage" = decode ]; then
         --block-n 2,4 --block-k 2048 --stages 1 --preload 1,0 \
         --out "$OUT/layer_chain_o.json" > "$OUT/layer_chain_o.md" 2>&1
     echo "bench_gemv_chain --attention o rc=$?" >> "$OUT/device.txt"
+    # the same chain without programmatic dependent launch: what PDL buys, and the gaps without it
+    ATTNGRAPH_PDL=0 timeout 100 python3 benchmarks/bench_gemv_chain.py --shape 1b --rows 1 --attention --trace \
+        --sweep "" --out "$OUT/layer_chain_nopdl.json" > "$OUT/layer_chain_nopdl.md" 2>&1
+    echo "bench_gemv_chain --attention, no PDL rc=$?" >> "$OUT/device.txt"
+fi
+if [ "$stage" = decode-step ]; then
     # where the GEMVs after decode attention load their weight: before the PDL wait (the tuned
     # default: the first chunk; the whole tile; half a chunk) or after it (PRELOAD 0)
     T=benchmarks/gemv_tables

@@ -247,6 +247,7 @@ def _decode_stage1_kernel(
     t1, c1, t2, c2, t3, c3, t4, c4, t5, c5 = t0, t0, t0, t0, t0, t0, t0, t0, t0, t0
     if TRACE:
         t0, c0 = now(tl.program_id(0))
+        t1, c1 = t0, c0  # without PDL no wait: "past the wait" is the entry
     # PDL (attngraph.pdl): the kernel may start before the one producing q (and k_new / v_new)
     # has finished. Only that kernel's outputs are unsafe before gdc_wait: the page table, the
     # lengths, the new token's slot and the pool's keys before seq_len - 1 were written by
