@@ -24,7 +24,9 @@ each layer runs the rest of a decode step's kernels too, the model's order::
 
 over ``--context`` cached keys per request (the pool's keys before the new token, a page table of
 consecutive pages), so the GEMVs meet the latency-bound kernels they follow in the model (the
-RoPE kernel here is attngraph's, the model's is inductor's). A variant changes the
+RoPE kernel here is attngraph's, the model's is inductor's). ``--fuse-o`` adds variants that run
+each layer's decode attention and output projection in one launch
+(`triton_ops.decode_attention_o`), not yet in the model. A variant changes the
 configuration of one projection (``qkv``, ``o``, ``down``, ``lm_head``) and keeps the others at
 `default_config`'s; ``unpipelined`` runs every GEMV with ``num_stages = 1`` (one weight chunk in
 flight per program, the kernel's loop before it was pipelined). The graphs are replayed in
@@ -124,6 +126,7 @@ class Chain:
         each; the new token's slot, lengths, page table, RoPE rows and the decode kernel's
         scratch (as `TritonBackend` sizes it for this batch)."""
         from attngraph.attn_backends.triton_backend import TritonBackend
+        from attngraph.attn_backends.triton_ops.decode_attention_o import new_sync
 
         rows, hkv, d = self.rows, self.kv_heads, self.head_dim
         self.context = context
@@ -144,6 +147,7 @@ class Chain:
         self.part_o = torch.empty(rows, self.heads, self.max_splits, d, device=device, dtype=torch.float32)
         self.part_lse = torch.empty(rows, self.heads, self.max_splits, device=device, dtype=torch.float32)
         self.counters = torch.zeros(rows * self.heads, **i32)
+        self.sync = new_sync(device)  # the fused kernel's counters (`_attend_project`)
 
     def new_traces(self, configs: dict[str, dict | None]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer `attngraph.kernel_clock` buffers for its decode attention and its output
@@ -175,6 +179,27 @@ class Chain:
                              v_new=v, new_loc=self.new_loc, counters=self.counters, trace=trace)  # fmt: skip
         return out.view(rows, hq * d)
 
+    def _attend_project(self, qkv: torch.Tensor, layer: int, w_o: torch.Tensor, fuse: dict) -> torch.Tensor:
+        """RoPE, then decode attention and the output projection in one launch
+        (`decode_attention_o_fwd`; ``fuse``: ``max_splits`` (None: the backend's), ``block_o``,
+        ``preload``) -> ``[rows, hidden]``."""
+        from attngraph.attn_backends.triton_ops.decode_attention_o import decode_attention_o_fwd
+        from attngraph.rope_kernel import rope_qk
+
+        hq, hkv, d = self.heads, self.kv_heads, self.head_dim
+        q = qkv[:, : hq * d].view(1, hq, d)
+        k = qkv[:, hq * d : (hq + hkv) * d].view(1, hkv, d)
+        v = qkv[:, (hq + hkv) * d :].view(1, hkv, d)
+        q, k = rope_qk(q, k, self.cos, self.sin)
+        k_pool, v_pool = self.pools[layer]
+        out, _ = decode_attention_o_fwd(
+            q, k_pool, v_pool, self.req_to_page, self.req_idx, self.seq_lens, self.part_o, self.part_lse,
+            page_size=PAGE_SIZE, scale=d**-0.5, max_splits=fuse.get("max_splits") or self.max_splits, k_new=k, v_new=v,
+            new_loc=self.new_loc, counters=self.counters, weight=w_o, sync=self.sync, block_o=fuse["block_o"],
+            preload_weight=fuse["preload"],
+        )  # fmt: skip
+        return out
+
     def run(self, configs: dict[str, dict | None], traces: list | None = None) -> torch.Tensor:
         """One pass of the chain with ``configs[name]`` (None: `default_config`'s); ``traces``
         (`new_traces`, with ``attention``): each layer's attention and output projection
@@ -186,7 +211,9 @@ class Chain:
             # a new residual stream: every program reads the old one for the norm's statistics
             h, residual = torch.empty_like(h), h
             qkv = skinny_rms_norm_linear(down, w["norm"], EPS, w["qkv"], residual=residual, h_out=h, config=configs["qkv"])
-            if self.attention:
+            if self.attention and configs.get("fuse_o"):
+                x, h = add_rms_norm(self._attend_project(qkv, layer, w["o"], configs["fuse_o"]), w["norm2"], EPS, residual=h)
+            elif self.attention:
                 attn_trace, o_trace = traces[layer] if traces is not None else (None, None)
                 o = skinny_linear(self._attend(qkv, layer, attn_trace), w["o"], config=configs["o"], trace=o_trace)
                 x, h = add_rms_norm(o, w["norm2"], EPS, residual=h)
@@ -327,6 +354,10 @@ def main() -> None:
     p.add_argument("--attention", action="store_true",
                    help="each layer also runs RoPE, decode attention and the RMSNorm before the MLP")
     p.add_argument("--context", type=int, default=128, help="cached keys per request with --attention")
+    p.add_argument("--fuse-o", action="store_true",
+                   help="with --attention and one row: also time decode attention and the output projection in one "
+                        "launch (decode_attention_o_fwd), at the backend's splits with 4 weight rows per program and "
+                        "at 8 splits with 4 and 8 rows, the weight tile before (and after) the PDL wait")
     p.add_argument("--trace", action="store_true",
                    help="with --attention: also replay each variant with timestamps recorded inside its decode attention "
                         "and output projection kernels (attngraph.kernel_clock), and print where a layer's time goes")
@@ -345,6 +376,12 @@ def main() -> None:
                 for name, (n, k) in shapes.items()}  # fmt: skip
     variants: list[tuple[str, dict]] = [("default", {}),
                                         ("unpipelined", {n: dict(c, num_stages=1) for n, c in defaults.items()})]  # fmt: skip
+    if args.fuse_o:
+        if not args.attention or args.rows != 1:
+            p.error("--fuse-o needs --attention and --rows 1")
+        for splits, block_o, preload in ((None, 4, True), (8, 4, True), (8, 8, True), (8, 8, False)):
+            label = f"fused attention + o, splits={splits or 'backend'} BLOCK_O={block_o}" + ("" if preload else " after wait")
+            variants.append((label, {"fuse_o": dict(max_splits=splits, block_o=block_o, preload=preload)}))
     for name in [s for s in args.sweep.split(",") if s]:
         variants += sweep(defaults[name], name, args.rows, *shapes[name], ints(args.block_n), ints(args.block_k),
                           ints(args.stages), ints(args.preload))  # fmt: skip
@@ -353,6 +390,8 @@ def main() -> None:
     graphs, outs, configs = {}, {}, {}
     for label, override in variants:
         cfgs = {name: override.get(name, defaults[name]) for name in shapes}
+        if "fuse_o" in override:
+            cfgs["fuse_o"] = override["fuse_o"]
         try:
             graphs[label], outs[label] = chain.capture(cfgs)
             configs[label] = cfgs
@@ -366,6 +405,8 @@ def main() -> None:
         from attngraph import kernel_clock
 
         for label, cfgs in configs.items():
+            if cfgs.get("fuse_o"):  # the fused kernel records no timestamps
+                continue
             bufs = chain.new_traces(cfgs)
             graph, _ = chain.capture(cfgs, bufs)
             for _ in range(3):

@@ -11,8 +11,9 @@
 #   bash benchmarks/run_gpu.sh kernels # kernels per prefill / decode step, by class and name
 #   bash benchmarks/run_gpu.sh decode  # the 1B decode step: exposed time per kernel (and per launch in
 #                                      # order); its kernels without the model (with and without PDL), the
-#                                      # GEMVs' weight before or after the PDL wait, timestamps inside decode
-#                                      # attention and the o projection (about 6 minutes)
+#                                      # GEMVs' weight before or after the PDL wait, attention and the o
+#                                      # projection in one launch, timestamps inside decode attention and
+#                                      # the o projection (about 6 minutes)
 #   bash benchmarks/run_gpu.sh decode-step  # the step in generate with the GEMVs' weight loaded before
 #                                      # or after the PDL wait (gemv_tables/), interleaved (about 5 minutes)
 #   QUICK=1 ...                        # shorter benchmark: quick kernel shapes, batch 1 only
@@ -71,7 +72,7 @@ if [ "$stage" = decode ]; then
         --block-n 4 --block-k 1024 --stages 1 --preload 1,0 \
         --out "$OUT/layer_chain.json" > "$OUT/layer_chain.md" 2>&1
     echo "bench_gemv_chain --attention rc=$?" >> "$OUT/device.txt"
-    timeout 100 python3 benchmarks/bench_gemv_chain.py --shape 1b --rows 1 --attention --trace --sweep o \
+    timeout 100 python3 benchmarks/bench_gemv_chain.py --shape 1b --rows 1 --attention --trace --fuse-o --sweep o \
         --block-n 2,4 --block-k 2048 --stages 1 --preload 1,0 \
         --out "$OUT/layer_chain_o.json" > "$OUT/layer_chain_o.md" 2>&1
     echo "bench_gemv_chain --attention o rc=$?" >> "$OUT/device.txt"

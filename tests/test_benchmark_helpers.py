@@ -97,7 +97,8 @@ def test_chain_with_attention_runs_a_decode_layer():
       launch) against fp32 torch ops over the pool's cached keys and the rotated new token,
       which the kernel also stores at its slot;
     * the whole chain (two layers of GEMVs, attention, add + RMSNorm, the MLP, the LM head)
-      against the same layers in fp32 torch ops: the logits' relative error."""
+      against the same layers in fp32 torch ops: the logits' relative error; and with each
+      layer's attention and output projection in one launch (``fuse_o``)."""
     import torch
     import torch.nn.functional as F
 
@@ -144,6 +145,13 @@ def test_chain_with_attention_runs_a_decode_layer():
     want = down @ chain.lm_head.float().T
     assert got.shape == want.shape == (1, 256)
     assert (got - want).norm() / want.norm() < 0.03
+    # attention and the output projection in one launch: the same attention output, the
+    # projection summed in another order
+    defaults = {name: None for name in bench_gemv_chain.PROJECTIONS}
+    for fuse in (dict(max_splits=None, block_o=8, preload=True), dict(max_splits=2, block_o=16, preload=False)):
+        fused = chain.run({**defaults, "fuse_o": fuse}).float()
+        assert (fused - got).norm() / got.norm() < 1e-2, fuse
+    assert not chain.sync.any()
 
 
 def test_decode_step_timing_alternates_lengths_and_counts_collections(monkeypatch):

@@ -3,6 +3,8 @@
 Launch functions (tensor shapes in their docstrings):
 
 * `decode_attention_fwd`: split-KV paged decode (stage 1 per split, stage 2 merge).
+* `decode_attention_o_fwd` (`decode_attention_o`): one request's decode attention and the
+  output projection after it in one launch (benchmarked, not yet used by the model).
 * `extend_attention_fwd`: ragged new tokens over paged keys, one online softmax.
 * `dense_attention_fwd`: the same kernel over contiguous, equal-length sequences.
 * `store_kv`: a step's new K and V into a layer's pool slots, one launch.
