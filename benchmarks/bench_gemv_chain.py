@@ -400,6 +400,9 @@ def main() -> None:
     if args.trace and not args.attention:
         p.error("--trace needs --attention")
     times = time_graphs(graphs, args.rounds, args.replays)
+    gave_up = int(chain.sync[3]) if args.attention else 0  # the fused kernel's waits that gave up: a fault
+    if gave_up:
+        print(json.dumps(dict(error=f"decode_attention_o: {gave_up} projection programs stopped waiting for attention")))
     traced = {}
     if args.trace:  # separate graphs: the stamps cost a little, the timed graphs hold none
         from attngraph import kernel_clock
@@ -437,7 +440,7 @@ def main() -> None:
     result = result_header("bench_gemv_chain.py", shape=args.shape, rows=args.rows, layers=chain.layers,
                            attention=args.attention, context=args.context if args.attention else None,
                            copy_bandwidth_GBps=round(bw / 1e9), floor_ms=round(floor_ms, 4), variants=rows, best=best,
-                           traces=traced or None)
+                           traces=traced or None, fused_waits_given_up=gave_up if args.fuse_o else None)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

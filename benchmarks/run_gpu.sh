@@ -63,16 +63,16 @@ if [ "$stage" = kernels ]; then
     done
 fi
 if [ "$stage" = decode ]; then
-    timeout 150 python3 benchmarks/profile_kernels.py --backend triton --tokens "" --decode-batch 1 \
+    timeout 120 python3 benchmarks/profile_kernels.py --backend triton --tokens "" --decode-batch 1 \
         --out "$OUT/decode_kernels.json" > "$OUT/decode_kernels.log" 2>&1
     echo "profile_kernels rc=$?" >> "$OUT/device.txt"
     # the step's kernels without the model (GEMVs, RoPE, decode attention, norm, cuBLAS gate/up),
     # each GEMV's weight before / after the PDL wait, with timestamps inside attention and o
-    timeout 120 python3 benchmarks/bench_gemv_chain.py --shape 1b --rows 1 --attention --trace --sweep qkv,o,down \
+    timeout 150 python3 benchmarks/bench_gemv_chain.py --shape 1b --rows 1 --attention --trace --sweep qkv,o,down \
         --block-n 4 --block-k 1024 --stages 1 --preload 1,0 \
         --out "$OUT/layer_chain.json" > "$OUT/layer_chain.md" 2>&1
     echo "bench_gemv_chain --attention rc=$?" >> "$OUT/device.txt"
-    timeout 100 python3 benchmarks/bench_gemv_chain.py --shape 1b --rows 1 --attention --trace --fuse-o --sweep o \
+    timeout 150 python3 benchmarks/bench_gemv_chain.py --shape 1b --rows 1 --attention --trace --fuse-o --sweep o \
         --block-n 2,4 --block-k 2048 --stages 1 --preload 1,0 \
         --out "$OUT/layer_chain_o.json" > "$OUT/layer_chain_o.md" 2>&1
     echo "bench_gemv_chain --attention o rc=$?" >> "$OUT/device.txt"

@@ -54,8 +54,12 @@ __all__ = ["SYNC_SLOTS", "decode_attention_o_fwd", "new_sync"]
 _NO_CHUNK = tl.constexpr(NO_WINDOW)  # every key in chunk 0 (globals read by @jit code must be constexpr)
 
 #: int32 counters of a launch (`new_sync`): tickets, KV-head groups merged, projection programs
-#: done, and (under Triton's interpreter) waits that gave up: a group that was never counted.
+#: done, and waits that gave up (a group never counted: a fault, never reset).
 SYNC_SLOTS = 4
+#: Polls of the merged-group count after which a projection program gives up (seconds on a GPU,
+#: where a wait takes microseconds): a fault then shows in ``sync[3]`` and wrong outputs
+#: instead of a hang. Triton's interpreter, whose programs run one after another, polls 100 times.
+MAX_SPINS = 1 << 22
 
 
 @triton.jit
@@ -159,8 +163,7 @@ def _projection_role(o_block, o_programs, AttnOut, W, Bias, Y, Sync, N, stride_w
     """Rows ``[o_block * BLOCK_O, ...)`` of ``Y = AttnOut @ W^T (+ Bias)`` (W ``[N, KW]``) once
     every KV head's group is in AttnOut (``Sync[1] == HKV``); the last of the ``o_programs``
     to finish puts ``Sync[1]`` and ``Sync[2]`` back to zero. ``MAX_SPINS`` (0: no limit) bounds
-    the wait under Triton's interpreter, whose programs run one after another: a group never
-    counted then leaves ``Sync[3]`` non-zero rather than a hang."""
+    the wait: a group never counted then leaves ``Sync[3]`` non-zero rather than a hang."""
     offs_o = o_block * BLOCK_O + tl.arange(0, BLOCK_O)
     mask_o = offs_o < N
     offs_k = tl.arange(0, KW)
@@ -179,7 +182,7 @@ def _projection_role(o_block, o_programs, AttnOut, W, Bias, Y, Sync, N, stride_w
     while (merged < HKV) & ((MAX_SPINS == 0) | (spins < MAX_SPINS)):
         merged = tl.atomic_add(Sync + 1, 0, sem="acquire")
         spins += 1
-    if merged < HKV:  # only with MAX_SPINS: left for the caller to see, never reset
+    if merged < HKV:  # gave up (a fault): left for the caller to see, never reset
         tl.atomic_add(Sync + 3, 1, sem="relaxed")
     tl.debug_barrier()
     x = tl.load(AttnOut + offs_k, cache_modifier=".cg").to(tl.float32)  # [KW]
@@ -260,7 +263,8 @@ def decode_attention_o_fwd(
     req_pool_indices, seq_lens, partial_out (``[1, Hq, >= max_splits, D]`` fp32), partial_lse,
     page_size, scale, max_splits, min_split_len, window_left, k_new, v_new (``[1, Hkv, D]``),
     new_loc (``[1]``), counters (int32 zeros, ``>= Hkv``): as for `decode_attention_fwd` (the
-    new K/V are stored; the splits merge in the launch). weight: ``[N, Hq * D]`` contiguous (the
+    new K/V are stored; the splits merge in the launch). A non-zero ``sync[3]`` after a launch
+    reports a projection program that stopped waiting for the attention (`MAX_SPINS`): a fault. weight: ``[N, Hq * D]`` contiguous (the
     output projection), bias: ``[N]`` or None. sync: `new_sync`'s counters. out: ``[1, N]``
     (a new one when None); attn_out: ``[Hq * D]`` (the attention output; new when None).
     block_o: weight rows per projection program (a power of two); preload_weight: a projection
@@ -314,7 +318,7 @@ def decode_attention_o_fwd(
         GROUP=group, HKV=hkv, PAGE_SIZE=page_size, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_N=decode_block_n(d, d, q.dtype),
         UPCAST=upcast, PRECISION=precision, USE_PDL=use_pdl, MERGE_CHUNK=merge_chunk(block_h, d), KW=kw, BLOCK_O=block_o,
         HAS_BIAS=bias is not None, PRELOAD_W=preload_weight, SOFT_BF16=q.dtype == torch.bfloat16 and interpreting(),
-        MAX_SPINS=100 if interpreting() else 0,
+        MAX_SPINS=100 if interpreting() else MAX_SPINS,
         num_warps=4, num_stages=2, **pdl.launch_options(use_pdl),
     )  # fmt: skip
     return out, attn_out
