@@ -22,6 +22,11 @@ One request (a batch of one), heads of a power-of-two dim, K and V dims equal, n
 ALiBi, sinks, chunks or rotation in the kernel (`decode_attention_fwd` serves those); a sliding
 window is honoured. Not used by the model yet: ``benchmarks/bench_gemv_chain.py --fuse-o``
 times it against the two launches.
+
+Both roles live in one kernel, so the attention role's registers set every program's: compiled
+for sm_90, 167 a thread at the 1B shape (heads of 64, 4 warps: about 3 programs an SM) and 255
+at the 8B shape (heads of 128), without spills. Fewer splits (``max_splits``) and more weight
+rows per program (``block_o``) keep more of the launch resident at once.
 """
 
 from __future__ import annotations
