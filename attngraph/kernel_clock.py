@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .errors import InputError
+
 __all__ = ["POINTS", "RECORD", "decode", "new_buffer", "now", "sm_id", "store_record"]
 
 #: Stamps per program.
@@ -93,6 +95,9 @@ def decode(buffer: torch.Tensor, names: tuple[str, ...], origin_ns: int | None =
     >>> decode(b, ("entry", "wait"))
     [{'program': 0, 'sm': 3, 'entry_us': 0.0, 'wait_us': 2.5, 'entry_cycles': 0, 'wait_cycles': 4000}]
     """
+    if buffer.dim() != 2 or buffer.shape[1] != RECORD or buffer.dtype != torch.int64 or not 0 < len(names) <= POINTS:
+        raise InputError(f"decode takes an int64 [programs, {RECORD}] buffer (new_buffer) and 1 to {POINTS} point names; "
+                         f"got {buffer.dtype} {tuple(buffer.shape)} and {len(names)} names")  # fmt: skip
     rows = buffer.cpu().tolist()
     stamps = [t for row in rows for t in row[: len(names)] if t]
     if not stamps:

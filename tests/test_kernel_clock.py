@@ -48,6 +48,11 @@ def test_records_decode():
     assert recs[0]["wait_us"] == 2.0 and recs[0]["done_us"] is None and recs[0]["wait_cycles"] == 1900
     assert recs[1]["entry_us"] == 0.0 and recs[1]["done_us"] == 4.0 and recs[1]["done_cycles"] == 4000
     assert kernel_clock.decode(kernel_clock.new_buffer(2, "cpu"), ("entry",)) == []
+    from attngraph.errors import InputError
+
+    for bad, names in ((torch.zeros(2, 5, dtype=torch.int64), ("entry",)), (b.int(), ("entry",)), (b, ())):
+        with pytest.raises(InputError, match="new_buffer"):
+            kernel_clock.decode(bad, names)
 
 
 def _check_stamps(traced: dict, plain: dict, stamps: int) -> None:

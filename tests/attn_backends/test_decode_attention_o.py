@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 from attngraph.attn_backends.triton_backend import TritonBackend  # noqa: E402
 from attngraph.attn_backends.triton_ops import decode_attention as da  # noqa: E402
 from attngraph.attn_backends.triton_ops.decode_attention_o import decode_attention_o_fwd, new_sync  # noqa: E402
+from attngraph.errors import InputError  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PAGE = 16
@@ -129,6 +130,20 @@ def test_refusals():
         decode_attention_o_fwd(s["q"], *args, **kw, block_o=3)
     with pytest.raises(ValueError, match="counters"):
         decode_attention_o_fwd(s["q"], *args, **{**kw, "sync": torch.zeros(3, device=DEVICE)})
+    with pytest.raises(InputError, match="N >= 1"):
+        decode_attention_o_fwd(s["q"], *args, **{**kw, "weight": s["w"][:0]})
+    with pytest.raises(InputError, match="weight must be on q's device"):
+        decode_attention_o_fwd(s["q"], *args, **{**kw, "weight": s["w"].to("meta")})
+    with pytest.raises(InputError, match="pools must be"):
+        decode_attention_o_fwd(s["q"], s["k_pool"].half(), s["v_pool"].half(), *args[2:], **kw)
+    wide = torch.zeros(1, 8, 1024, dtype=torch.bfloat16, device=DEVICE)  # Hq * D = 8192
+    with pytest.raises(InputError, match="whole weight row"):
+        decode_attention_o_fwd(wide, torch.zeros(32, 2, 1024, dtype=torch.bfloat16, device=DEVICE),
+                               torch.zeros(32, 2, 1024, dtype=torch.bfloat16, device=DEVICE), *args[2:],
+                               **{**kw, "weight": torch.zeros(4, 8192, dtype=torch.bfloat16, device=DEVICE),
+                                  "k_new": torch.zeros(1, 2, 1024, dtype=torch.bfloat16, device=DEVICE),
+                                  "v_new": torch.zeros(1, 2, 1024, dtype=torch.bfloat16, device=DEVICE)})  # fmt: skip
+    assert not kw["sync"].any() and not kw["counters"].any()  # refused before any launch
 
 
 @pytest.mark.gpu

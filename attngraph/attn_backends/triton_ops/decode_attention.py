@@ -173,6 +173,25 @@ def _merge_splits(m, l, acc, lse, o):
 
 
 @triton.jit
+def _merge_stored_splits(m, l, acc, pl_ptrs, po_ptrs, stride_pos, num_splits, mask_h, mask_o, MERGE_CHUNK: tl.constexpr):
+    """The ``num_splits`` stored partials of a tile merged into ``(m, l, acc)`` in split order,
+    ``MERGE_CHUNK`` at a time (one round trip per chunk, read past L1: other programs wrote
+    them). ``pl_ptrs: [BLOCK_H]`` and ``po_ptrs: [BLOCK_H, BLOCK_DV]`` point at split 0's LSE and
+    output, splits 1 and ``stride_pos`` apart; ``mask_h``, ``mask_o`` their valid lanes."""
+    offs_c = tl.arange(0, MERGE_CHUNK)
+    for s0 in range(0, num_splits, MERGE_CHUNK):
+        sids = s0 + offs_c  # [MERGE_CHUNK], the first valid: every chunk holds a split
+        mask_s = sids < num_splits
+        lse = tl.load(pl_ptrs[None, :] + sids[:, None], mask=mask_s[:, None] & mask_h[None, :], other=0.0,
+                      cache_modifier=".cg")  # fmt: skip
+        lse = tl.where(mask_s[:, None], lse, float("-inf"))  # [MERGE_CHUNK, BLOCK_H]
+        o = tl.load(po_ptrs[None, :, :] + sids[:, None, None] * stride_pos, mask=mask_s[:, None, None] & mask_o[None, :, :],
+                    other=0.0, cache_modifier=".cg")  # [MERGE_CHUNK, BLOCK_H, BLOCK_DV] fmt: skip
+        m, l, acc = _merge_splits(m, l, acc, lse, o)
+    return m, l, acc
+
+
+@triton.jit
 def _load_block(K, V, ReqToPage, row, stride_rtp, stride_ks, stride_kh, stride_vs, stride_vh, kvh,
                 pos, mask_kv, offs_d, mask_d, offs_dt, mask_dt, offs_dv, mask_dv,
                 PAGE_SIZE: tl.constexpr, HAS_TAIL: tl.constexpr):  # fmt: skip
@@ -413,17 +432,8 @@ def _decode_stage1_kernel(
             if num_splits == 1:
                 m, l, res = _merge_splits(m, l, res, part_lse[None, :], part_o[None, :, :])  # a chunk of one
             else:  # the splits in order, MERGE_CHUNK at a time: one round trip per chunk, read past L1 (".cg")
-                offs_c = tl.arange(0, MERGE_CHUNK)
-                for s0 in range(0, num_splits, MERGE_CHUNK):
-                    sids = s0 + offs_c  # [MERGE_CHUNK], the first valid: every chunk holds a split
-                    mask_s = sids < num_splits
-                    lse = tl.load(pl_ptrs[None, :] + sids[:, None], mask=mask_s[:, None] & mask_h[None, :], other=0.0,
-                                  cache_modifier=".cg")  # fmt: skip
-                    lse = tl.where(mask_s[:, None], lse, float("-inf"))  # [MERGE_CHUNK, BLOCK_H]
-                    o = tl.load(po_ptrs[None, :, :] + sids[:, None, None] * stride_pos,
-                                mask=mask_s[:, None, None] & mask_o[None, :, :], other=0.0,
-                                cache_modifier=".cg")  # [MERGE_CHUNK, BLOCK_H, BLOCK_DV] fmt: skip
-                    m, l, res = _merge_splits(m, l, res, lse, o)
+                m, l, res = _merge_stored_splits(m, l, res, pl_ptrs, po_ptrs, stride_pos, num_splits, mask_h, mask_o,
+                                                 MERGE_CHUNK)  # fmt: skip
                 tl.store(counter, 0)  # every program of the tile has counted: ready for the next launch
             if HAS_SINKS:  # the head's sink logit joins the denominator only (it has no value)
                 sink = tl.load(Sinks + heads, mask=mask_h, other=0.0).to(tl.float32) * _LOG2E
@@ -717,7 +727,7 @@ def decode_attention_fwd(
         programs = bsz * hkv * head_blocks * max_splits
         if trace.dtype != torch.int64 or not trace.is_contiguous() or trace.dim() != 2 or trace.shape[0] < programs \
                 or trace.shape[1] != kernel_clock.RECORD or trace.device != q.device or interpreting():  # fmt: skip
-            raise ValueError(f"trace must be a contiguous int64 [>= {programs}, {kernel_clock.RECORD}] tensor on "
+            raise InputError(f"trace must be a contiguous int64 [>= {programs}, {kernel_clock.RECORD}] tensor on "
                              f"{q.device} (a GPU: the interpreter has no timers); got {trace.dtype} {tuple(trace.shape)}")  # fmt: skip
     _decode_stage1_kernel[(bsz, hkv * head_blocks, max_splits)](
         q, k_buffer, v_buffer, req_to_page, req_pool_indices, seq_lens, partial_out, partial_lse, slopes,

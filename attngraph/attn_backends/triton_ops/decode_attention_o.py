@@ -37,6 +37,7 @@ import triton.language as tl
 
 from ... import pdl
 from ...pdl import gdc_launch_dependents, gdc_wait
+from ...errors import InputError
 from ...triton_math import round_to
 from .decode_attention import (
     DEFAULT_MIN_SPLIT_LEN,
@@ -44,6 +45,7 @@ from .decode_attention import (
     _attend_block,
     _load_block,
     _merge_splits,
+    _merge_stored_splits,
     _split_plan,
     check_last_dim_contiguous,
     decode_block_h,
@@ -65,6 +67,9 @@ SYNC_SLOTS = 4
 #: where a wait takes microseconds): a fault then shows in ``sync[3]`` and wrong outputs
 #: instead of a hang. Triton's interpreter, whose programs run one after another, polls 100 times.
 MAX_SPINS = 1 << 22
+#: Widest attention output (``Hq * D``) a projection program's weight rows may span: they are
+#: held in registers (the 8B shape's 4096 already sets 255 registers a thread).
+MAX_ROW = 4096
 
 
 @triton.jit
@@ -143,16 +148,8 @@ def _attention_role(ticket, Q, K, V, ReqToPage, ReqIdx, SeqLens, PartO, PartLse,
             if num_splits == 1:
                 m, l, res = _merge_splits(m, l, res, part_lse[None, :], part_o[None, :, :])
             else:
-                offs_c = tl.arange(0, MERGE_CHUNK)
-                for s0 in range(0, num_splits, MERGE_CHUNK):
-                    sids = s0 + offs_c
-                    mask_s = sids < num_splits
-                    lse = tl.load(pl_ptrs[None, :] + sids[:, None], mask=mask_s[:, None] & mask_h[None, :], other=0.0,
-                                  cache_modifier=".cg")  # fmt: skip
-                    lse = tl.where(mask_s[:, None], lse, float("-inf"))
-                    o = tl.load(po_ptrs[None, :, :] + sids[:, None, None] * stride_pos,
-                                mask=mask_s[:, None, None] & mask_o[None, :, :], other=0.0, cache_modifier=".cg")  # fmt: skip
-                    m, l, res = _merge_splits(m, l, res, lse, o)
+                m, l, res = _merge_stored_splits(m, l, res, pl_ptrs, po_ptrs, stride_pos, num_splits, mask_h, mask_o,
+                                                 MERGE_CHUNK)  # fmt: skip
                 tl.store(counter, 0)
             res = tl.where(l[:, None] > 0, res / tl.where(l > 0, l, 1.0)[:, None], 0.0)
             tl.store(AttnOut + heads[:, None] * HEAD_DIM + offs_d[None, :], res.to(AttnOut.dtype.element_ty), mask=mask_o)
@@ -275,41 +272,52 @@ def decode_attention_o_fwd(
     block_o: weight rows per projection program (a power of two); preload_weight: a projection
     program loads its weight tile before the PDL wait (else after it).
 
-    Raises ``ValueError`` for what the kernel does not serve (see the module's docstring).
+    Raises `InputError` (a ``ValueError``) for what the kernel does not serve (see the module's
+    docstring) and for operands of another dtype or device; nothing is written then.
     """
     bsz, hq, d = q.shape
     hkv = k_buffer.shape[1]
     if bsz != 1:
-        raise ValueError(f"decode_attention_o_fwd serves one request; got a batch of {bsz} (use decode_attention_fwd)")
+        raise InputError(f"decode_attention_o_fwd serves one request; got a batch of {bsz} (use decode_attention_fwd)")
     if d & (d - 1) or v_buffer.shape[2] != d or hq % hkv:
-        raise ValueError(f"heads of a power-of-two dim, K and V dims equal, Hq a multiple of Hkv; got q {tuple(q.shape)}, "
+        raise InputError(f"heads of a power-of-two dim, K and V dims equal, Hq a multiple of Hkv; got q {tuple(q.shape)}, "
                          f"pools {tuple(k_buffer.shape)} / {tuple(v_buffer.shape)}")  # fmt: skip
+    operands = dict(k_buffer=k_buffer, v_buffer=v_buffer, k_new=k_new, v_new=v_new, new_loc=new_loc, counters=counters,
+                    sync=sync, weight=weight, bias=bias, out=out, attn_out=attn_out, partial_out=partial_out,
+                    partial_lse=partial_lse, req_to_page=req_to_page, seq_lens=seq_lens)  # fmt: skip
+    if away := [name for name, t in operands.items() if t is not None and t.device != q.device]:
+        raise InputError(f"{', '.join(away)} must be on q's device {q.device}")
+    if k_buffer.dtype != q.dtype or v_buffer.dtype != q.dtype:
+        raise InputError(f"the pools must be {q.dtype} like q; got {k_buffer.dtype} / {v_buffer.dtype}")
     kw = hq * d
     n = weight.shape[0]
-    if weight.dim() != 2 or weight.shape[1] != kw or not weight.is_contiguous() or weight.dtype != q.dtype:
-        raise ValueError(f"weight must be a contiguous {q.dtype} [N, {kw}]; got {weight.dtype} {tuple(weight.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != kw or not weight.is_contiguous() or weight.dtype != q.dtype or n == 0:
+        raise InputError(f"weight must be a contiguous {q.dtype} [N >= 1, {kw}]; got {weight.dtype} {tuple(weight.shape)}")
+    if kw > MAX_ROW:
+        raise InputError(f"a projection program holds a whole weight row of Hq * D = {kw} > {MAX_ROW} values in registers "
+                         "(use decode_attention_fwd and the linear after it)")  # fmt: skip
     if bias is not None and (tuple(bias.shape) != (n,) or not bias.is_contiguous() or bias.dtype != q.dtype):
-        raise ValueError(f"bias must be a contiguous {q.dtype} [{n}]; got {bias.dtype} {tuple(bias.shape)}")
+        raise InputError(f"bias must be a contiguous {q.dtype} [{n}]; got {bias.dtype} {tuple(bias.shape)}")
     if tuple(k_new.shape) != (1, hkv, d) or tuple(v_new.shape) != (1, hkv, d) or new_loc.numel() != 1:
-        raise ValueError(f"k_new, v_new must be [1, {hkv}, {d}] and new_loc [1]; got {tuple(k_new.shape)}, "
+        raise InputError(f"k_new, v_new must be [1, {hkv}, {d}] and new_loc [1]; got {tuple(k_new.shape)}, "
                          f"{tuple(v_new.shape)}, {tuple(new_loc.shape)}")  # fmt: skip
     if counters.dtype != torch.int32 or counters.numel() < hkv or sync.dtype != torch.int32 or sync.numel() < SYNC_SLOTS:
-        raise ValueError(f"counters (int32, >= {hkv}) and sync (int32, >= {SYNC_SLOTS}; new_sync) must be zeroed int32 tensors")
+        raise InputError(f"counters (int32, >= {hkv}) and sync (int32, >= {SYNC_SLOTS}; new_sync) must be zeroed int32 tensors")
     if partial_out.shape[2] < max_splits or partial_lse.shape[2] < max_splits:
-        raise ValueError(f"partial buffers hold {partial_out.shape[2]} splits, need {max_splits}")
+        raise InputError(f"partial buffers hold {partial_out.shape[2]} splits, need {max_splits}")
     if block_o < 1 or block_o & (block_o - 1) or kw & (kw - 1):
-        raise ValueError(f"block_o ({block_o}) and Hq * D ({kw}) must be powers of two")
+        raise InputError(f"block_o ({block_o}) and Hq * D ({kw}) must be powers of two")
     for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("k_new", k_new), ("v_new", v_new),
                     ("partial_out", partial_out), ("partial_lse", partial_lse)):  # fmt: skip
         check_last_dim_contiguous(name, t)
     out = torch.empty((1, n), dtype=q.dtype, device=q.device) if out is None else out
     attn_out = torch.empty(kw, dtype=q.dtype, device=q.device) if attn_out is None else attn_out
     if tuple(out.shape) != (1, n) or not out.is_contiguous() or tuple(attn_out.shape) != (kw,) or not attn_out.is_contiguous():
-        raise ValueError(f"out must be a contiguous [1, {n}] and attn_out a contiguous [{kw}] tensor")
+        raise InputError(f"out must be a contiguous [1, {n}] and attn_out a contiguous [{kw}] tensor")
     group = hq // hkv
     block_h = decode_block_h(group, d, d, q.dtype)
     if group > block_h:
-        raise ValueError(f"a GQA group of {group} query heads needs several head blocks (use decode_attention_fwd)")
+        raise InputError(f"a GQA group of {group} query heads needs several head blocks (use decode_attention_fwd)")
     upcast, precision = dot_options(q.dtype)
     use_pdl = pdl.enabled(q.device)
     o_programs = triton.cdiv(n, block_o)
