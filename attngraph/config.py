@@ -167,6 +167,16 @@ class CompileConfig:
         an H200 the 1B-shaped batch-1 step ran 16 kernels fewer but slower (0.999 against 0.948
         ms): behind the GEMV under programmatic dependent launch the norm kernel cost 0.56 us a
         layer, the epilogue's serial tail 0.84 (``--norm-epilogue on,off``, same results file).
+    fuse_attention_o:
+        Paged runtime: each attention op whose output reaches only the output projection
+        (through HF's reshapes) and that projection become one op, ``attngraph.attention_o``
+        (`passes.fuse_attention_o`). The Triton backend runs a decode step of one request as
+        one launch (`triton_ops.decode_attention_o`: the projection's programs load their
+        weight while attention runs and start when its last head group is merged), so no
+        kernel boundary sits between the two on the step's critical path; other steps and
+        backends run the two ops as before. Not with `fold_rope` (the fused kernel does not
+        rotate) nor where `fold_norm_epilogue` gave the projection the MLP's norm: those
+        sites keep the projection apart. Off by default until timed in the step.
     absorb_mla:
         Paged runtime: multi-head latent attention (DeepSeek V2/V3 and kin) attends over its
         latent plus RoPE key, one KV head of ``kv_lora_rank + qk_rope_head_dim`` values per
@@ -221,6 +231,7 @@ class CompileConfig:
     fold_rope: bool = False
     fold_rope_linear: bool = False
     fold_norm_epilogue: bool = False
+    fuse_attention_o: bool = False
     absorb_mla: bool = True
     l2_prefetch_mlp_bytes: int = 0
     debug_dump_dir: str | None = None
@@ -265,7 +276,7 @@ class CompileConfig:
         if self.skinny_linears is not None and not isinstance(self.skinny_linears, bool):
             raise ConfigError(f"skinny_linears must be None (on for CUDA), True or False, got {self.skinny_linears!r}")
         for fname in ("lower_attention", "deterministic", "fuse_linears", "fold_rms_norm", "fold_rope", "fold_rope_linear",
-                      "fold_norm_epilogue", "absorb_mla"):  # fmt: skip
+                      "fold_norm_epilogue", "fuse_attention_o", "absorb_mla"):  # fmt: skip
             if not isinstance(getattr(self, fname), bool):  # "no" would read as True
                 raise ConfigError(f"{fname} must be True or False, got {getattr(self, fname)!r}")
         if self.fold_rope_linear and not self.fold_rope:

@@ -201,3 +201,66 @@ def _backward(ctx, grad_out: torch.Tensor):
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attention_o_impl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_id: int,
+    scale: float,
+    causal: bool,
+    window_left: int,
+    logit_cap: float,
+    batch_size: int,
+    sinks: Optional[torch.Tensor],
+    chunk_size: int,
+    alibi_slopes: Optional[Sequence[float]],
+    rope_cos: Optional[torch.Tensor],
+    rope_sin: Optional[torch.Tensor],
+    o_weight: torch.Tensor,
+    o_bias: Optional[torch.Tensor] = None,
+    o_rows: int = 0,
+) -> torch.Tensor:
+    """Attention and the output projection after it: ``linear(attention(q, k, v, ...).view(T,
+    Hq * Dv), o_weight, o_bias, o_rows)`` -> ``[T, N]`` (`passes.fuse_attention_o` writes it).
+
+    The first fourteen arguments are `attention_impl`'s; ``o_weight: [N, Hq * Dv]``,
+    ``o_bias: [N]`` or None and ``o_rows`` (`linear_ops.ANY_ROWS`...) are the projection's.
+    In the paged form a backend with ``forward_decode_o`` may run both in one launch (Triton:
+    one request's decode step, `triton_ops.decode_attention_o`); otherwise the attention op
+    and `attngraph.linear` run one after the other. Rows past the batch's tokens (padding)
+    are left as the two ops leave them: unread. Inference only (no autograd)."""
+    from .linear_ops import linear_impl
+
+    ctx = get_forward_context()
+    if ctx is not None and ctx.batch is not None and rope_cos is None and rope_sin is None:
+        fused = getattr(ctx.backend, "forward_decode_o", None)
+        n = ctx.batch.num_tokens
+        if fused is not None and 0 < n <= q.shape[0]:
+            layer = _layer(layer_id, q.shape[1], k.shape[1], q.shape[2], v.shape[2], scale, causal, window_left,
+                           logit_cap, sinks, chunk_size, alibi_slopes)  # fmt: skip
+            y = fused(q, k, v, layer, ctx.batch, o_weight, o_bias)
+            if y is not None:
+                return y
+    a = attention_impl(q, k, v, layer_id, scale, causal, window_left, logit_cap, batch_size, sinks, chunk_size,
+                       alibi_slopes, rope_cos, rope_sin)  # fmt: skip
+    return linear_impl(a.view(a.shape[0], -1), o_weight, o_bias, o_rows)
+
+
+def paged_attention_o_into(out: torch.Tensor, *args) -> torch.Tensor:
+    """`attention_o_impl` writing rows ``[:n]`` of ``out: [T, N]`` (n: the published batch's
+    tokens), as `paged_attention_into` does for the attention op. Returns ``out``."""
+    n = get_forward_context().batch.num_tokens
+    out[:n].copy_(attention_o_impl(*args)[:n])
+    return out
+
+
+attention_o = torch.library.custom_op("attngraph::attention_o", mutates_args=())(attention_o_impl)
+attention_o.__doc__ = attention_o_impl.__doc__
+
+
+@attention_o.register_fake
+def _(q, k, v, layer_id, scale, causal, window_left, logit_cap, batch_size, sinks, chunk_size, alibi_slopes, rope_cos,
+      rope_sin, o_weight, o_bias=None, o_rows=0):  # fmt: skip
+    return q.new_empty((q.shape[0], o_weight.shape[0]))

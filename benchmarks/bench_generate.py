@@ -25,6 +25,8 @@ choice on the row's own prefix).
         --l2-prefetch-mlp 0,33554432   # 32 MiB of each layer's gate/up asked into L2 during attention
     python benchmarks/bench_generate.py --shapes 1b --batches 1,16 --backends triton \
         --norm-epilogue off,on   # the MLP's add + RMSNorm in the output projection's GEMV epilogue
+    python benchmarks/bench_generate.py --shapes 1b,8b --batches 1 --backends triton --interleave \
+        --variant default --variant fuse-o=on --variant default   # attention + output projection in one op
     python benchmarks/bench_generate.py --shapes 1b,8b --batches 1,16 --backends triton \
         --gemv-table tuned,chain.json   # GEMV configurations of `bench_gemv_chain.py --table-out chain.json`
     python benchmarks/bench_generate.py --shapes 1b --batches 1,16 --backends triton --interleave \
@@ -174,7 +176,7 @@ PDL_LABELS = {"on": "", "ours": " pdl=attngraph kernels only", "off": " pdl=off"
 #: The switches a row combines, in the order of its variant tuple (``--variant`` names them so).
 VARIANT_SWITCHES = ("backends", "skinny", "fold_rms_norm", "pdl", "one_row_limit", "dot", "prefetch", "dot_fold_norm",
                     "dot_min_rows", "fold_rope", "l2_prefetch_mlp", "norm_epilogue", "gemv_table", "decode_block_n",
-                    "decode_min_split")  # fmt: skip
+                    "decode_min_split", "fuse_o")  # fmt: skip
 
 #: ``--loops``: generate keywords per decoding loop.
 LOOPS = {"chunks": {}, "steps": {"logits_processor": transformers.LogitsProcessorList([_KeepScores()])}}
@@ -338,6 +340,9 @@ def main() -> None:
     p.add_argument("--decode-min-split", default="default",
                    help="the Triton backend's min_split_len (a request's decode splits hold at least this many keys): "
                         "default and/or counts, comma-separated")  # fmt: skip
+    p.add_argument("--fuse-o", default="default",
+                   help="CompileConfig.fuse_attention_o (attention and the output projection as one op; one launch "
+                        "for a decode step of one request on Triton): default (the config's), on and/or off")
     p.add_argument("--repeats", type=int, default=3,
                    help="timed generates per row (after one warm-up); the median step is reported, the range beside it")
     p.add_argument("--variant", action="append", default=[], metavar="SPEC",
@@ -362,6 +367,8 @@ def main() -> None:
         p.error(f"--fold-rope takes default, on, off and/or linear; got {', '.join(bad)}")
     if bad := [v for v in args.norm_epilogue.split(",") if v not in ("default", "on", "off")]:
         p.error(f"--norm-epilogue takes default, on and/or off; got {', '.join(bad)}")
+    if bad := [v for v in args.fuse_o.split(",") if v not in ("default", "on", "off")]:
+        p.error(f"--fuse-o takes default, on and/or off; got {', '.join(bad)}")
     if bad := [v for v in args.prefetch.split(",") if v not in ("default", "on", "off")]:
         p.error(f"--prefetch takes default, on and/or off; got {', '.join(bad)}")
     if bad := [v for v in args.fold_rms_norm.split(",") if v not in ("on", "off")]:
@@ -428,21 +435,21 @@ def main() -> None:
                     except Exception as exc:
                         add("HF static cache + torch.compile", b, error=f"{type(exc).__name__}: {exc}"[:500])
                     torch._dynamo.reset()
-        variants = [(name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn, dms) for name in args.backends.split(",") if name
+        variants = [(name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn, dms, fo) for name in args.backends.split(",") if name
                     for skinny in args.skinny.split(",") for fold in args.fold_rms_norm.split(",") for pdl in args.pdl.split(",")
                     for limit in args.one_row_limit.split(",") for dot in args.dot.split(",")
                     for pf in args.prefetch.split(",") for dfold in args.dot_fold_norm.split(",")
                     for dmin in args.dot_min_rows.split(",") for rope in args.fold_rope.split(",")
                     for l2 in args.l2_prefetch_mlp.split(",") for ne in args.norm_epilogue.split(",")
                     for gt in args.gemv_table.split(",") for dbn in args.decode_block_n.split(",")
-                    for dms in args.decode_min_split.split(",")]  # fmt: skip
+                    for dms in args.decode_min_split.split(",") for fo in args.fuse_o.split(",")]  # fmt: skip
         if variant_specs:  # --variant: the named rows only, in their order
             variants = variant_specs
 
         def apply(variant: tuple) -> tuple[str, dict]:
             """Set the module settings of ``variant`` (read at compile and capture); its label and
             `attngraph.accelerate`'s keywords."""
-            name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn, dms = variant
+            name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn, dms, fo = variant
             label = f"attngraph[{name}]" + ("" if skinny == "on" else " skinny_linears=False") + PDL_LABELS[pdl]
             label += "" if fold == "on" else " fold_rms_norm=False"
             label += "" if limit == "default" else f" one-row GEMV <= {limit}"
@@ -456,6 +463,7 @@ def main() -> None:
             label += "" if gt == "tuned" else f" gemv-table={gt}"
             label += "" if dbn == "default" else f" decode-block-n={dbn}"
             label += "" if dms == "default" else f" decode-min-split={dms}"
+            label += "" if fo == "default" else f" fuse-o={fo}"
             # the constructor's default, read when accelerate makes the backend
             triton_backend.TritonBackend.__init__.__kwdefaults__["min_split_len"] = (
                 min_split_default if dms == "default" else int(dms))  # fmt: skip
@@ -464,6 +472,8 @@ def main() -> None:
             options = {} if rope == "default" else {"fold_rope": rope != "off", "fold_rope_linear": rope == "linear"}
             if ne != "default":
                 options["fold_norm_epilogue"] = ne == "on"
+            if fo != "default":
+                options["fuse_attention_o"] = fo == "on"
             linear_ops.DOT_FOLD_NORM = DOT_FOLD_NORM_DEFAULT if dfold == "default" else dfold == "on"
             linear_ops.DOT_MIN_ROWS = DOT_MIN_ROWS_DEFAULT if dmin == "default" else int(dmin)
             weight_prefetch.ENABLED = prefetch_default if pf == "default" else pf == "on"  # read at capture

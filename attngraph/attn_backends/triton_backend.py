@@ -147,6 +147,9 @@ class TritonBackend(AttentionBackend):
         # ones it uses); the CUDA-graph one is never replaced, the eager ones grow on demand.
         self._graph_counters: torch.Tensor | None = None
         self._eager_counters: dict[torch.device, torch.Tensor] = {}
+        # decode_attention_o's counters, SYNC_SLOTS int32 per layer (zero between launches)
+        self._graph_o_sync: torch.Tensor | None = None
+        self._eager_o_sync: dict[tuple[int, torch.device], torch.Tensor] = {}
         # Per-step state from init_forward_metadata_out_graph.
         self._step_batch: "ForwardBatch | None" = None
         self._step_max_extend_len = 0
@@ -222,6 +225,9 @@ class TritonBackend(AttentionBackend):
         self._graph_part_lse = torch.empty(rows * spec.num_q_heads, dtype=torch.float32, device=device)
         if self.fused_decode:
             self._graph_counters = torch.zeros(max(1, max_bs) * spec.num_q_heads, dtype=torch.int32, device=device)
+            from .triton_ops.decode_attention_o import SYNC_SLOTS
+
+            self._graph_o_sync = torch.zeros(spec.num_layers * SYNC_SLOTS, dtype=torch.int32, device=device)
         logger.debug(
             "triton backend: decode split buffers for max_bs=%d: %d (request, split) rows, %.1f MiB",
             max_bs, rows, self._graph_part_o.numel() * 4 / 2**20,
@@ -315,6 +321,67 @@ class TritonBackend(AttentionBackend):
             sinks=layer.sinks, chunk_size=layer.chunk_size, alibi_slopes=_slopes(layer, q),
             counters=self._counters(bsz * layer.num_q_heads, q.device) if fused else None, **new_kv,
         )  # fmt: skip
+
+    def forward_decode_o(self, q, k, v, layer: AttentionLayer, batch: "ForwardBatch", weight: torch.Tensor,
+                         bias: torch.Tensor | None) -> torch.Tensor | None:  # fmt: skip
+        """One request's decode attention and the output projection after it in one launch
+        (`decode_attention_o_fwd`), or None where that kernel does not serve the step (the
+        caller then runs the attention op and the projection).
+
+        ``q: [T, Hq, D]``, ``k: [T, Hkv, D]``, ``v: [T, Hkv, Dv]`` with ``T >= 1`` rows, of
+        which the batch's one token is the first (the others pad a captured graph);
+        ``weight: [N, Hq * Dv]``, ``bias: [N]`` or None -> ``[T, N]`` with row 0 written
+        (the padding rows are left unwritten, as the two ops leave them). Served: a DECODE
+        batch of one request whose new K/V the kernel stores (`_stores_new_kv`), heads of a
+        power-of-two dim with ``Dv == D``, a GQA group in one head block, no logit cap, sinks,
+        chunks or ALiBi (a sliding window is honoured), ``Hq * D`` a power of two of at most
+        `triton_ops.decode_attention_o.MAX_ROW`, a contiguous weight of q's dtype, on CUDA
+        (or the interpreter)."""
+        from ..forward_batch import ForwardMode
+        from .triton_ops.decode_attention import decode_block_h
+        from .triton_ops.decode_attention_o import MAX_ROW, decode_attention_o_fwd
+
+        pool = batch.kv_pool
+        d, hq, hkv = q.shape[-1], q.shape[1], k.shape[1]
+        kw = hq * d
+        if not (batch.mode is ForwardMode.DECODE and batch.num_tokens == 1 and batch.req_pool_indices.numel() == 1
+                and (q.is_cuda or interpreting()) and self._stores_new_kv(k, v, batch)):  # fmt: skip
+            return None
+        if (d & (d - 1) or v.shape[-1] != d or pool.v_head_dim != d or hq % hkv or hq // hkv > decode_block_h(hq // hkv, d, d, q.dtype)
+                or layer.logit_cap or layer.sinks is not None or layer.chunk_size or layer.alibi_slopes is not None
+                or kw & (kw - 1) or kw > MAX_ROW):  # fmt: skip
+            return None
+        if (weight.dim() != 2 or tuple(weight.shape[1:]) != (kw,) or not weight.is_contiguous() or weight.dtype != q.dtype
+                or weight.device != q.device or (bias is not None and (not bias.is_contiguous() or bias.dtype != q.dtype))):  # fmt: skip
+            return None
+        kb = pool.k_buffers[layer.layer_id].view(-1, pool.num_kv_heads, pool.head_dim)
+        vb = pool.v_buffers[layer.layer_id].view(-1, pool.num_kv_heads, pool.v_head_dim)
+        splits = self.decode_max_splits(1, hkv, q.device)
+        part_o, part_lse = self._partials(1, hq, splits, d, q.device)
+        y = q.new_empty((q.shape[0], weight.shape[0]))
+        decode_attention_o_fwd(
+            _last_dim_contiguous(q[:1]), kb, vb, pool.req_to_page, batch.req_pool_indices, batch.seq_lens, part_o,
+            part_lse, page_size=pool.page_size, scale=layer.scale, max_splits=splits, k_new=_last_dim_contiguous(k[:1]),
+            v_new=_last_dim_contiguous(v[:1]), new_loc=batch.out_cache_loc[:1],
+            counters=self._counters(hq, q.device), weight=weight, sync=self._o_sync(layer.layer_id, q.device),
+            bias=bias, out=y[:1], min_split_len=self.min_split_len, window_left=layer.window_left,
+        )  # fmt: skip
+        return y
+
+    def _o_sync(self, layer_id: int, device: torch.device) -> torch.Tensor:
+        """`decode_attention_o`'s counters of one layer (`SYNC_SLOTS` int32, zero between
+        launches): a slice of the buffer made in `init_cuda_graph_state`, else a layer's own
+        eager one, made once and kept (a captured launch may hold its address)."""
+        from .triton_ops.decode_attention_o import SYNC_SLOTS, new_sync
+
+        lo, hi = layer_id * SYNC_SLOTS, (layer_id + 1) * SYNC_SLOTS
+        buf = self._graph_o_sync
+        if buf is not None and buf.device == device and buf.numel() >= hi:
+            return buf[lo:hi]
+        key = (layer_id, device)
+        if key not in self._eager_o_sync:
+            self._eager_o_sync[key] = new_sync(device)
+        return self._eager_o_sync[key]
 
     def set_decode_prefetch(self, source: "Callable[[int], tuple[torch.Tensor, int] | None] | None") -> None:
         """Before each decode attention launch of layer ``i``, ask L2 for ``source(i)``:

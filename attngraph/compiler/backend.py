@@ -23,6 +23,7 @@ from ..passes.fold_norm_epilogue import fold_norm_epilogue
 from ..passes.fold_rms_norm import fold_rms_norm
 from ..passes.fold_rope import fold_rope
 from ..passes.fold_rope_linear import fold_rope_linear
+from ..passes.fuse_attention_o import fuse_attention_o
 from ..passes.skinny_linears import skinny_linears
 from ..passes.token_mixing import TokenMixingOp, check_token_mixing
 from ..forward_context import ForwardContext, use_forward_context
@@ -81,6 +82,7 @@ class AttnGraphBackend:
         self.norm_epilogue_results: list = []  # a passes.fold_norm_epilogue.FoldNormEpilogueResult per graph rewritten
         self.rope_results: list = []  # a passes.fold_rope.FoldRopeResult per paged graph rewritten
         self.rope_linear_results: list = []  # a passes.fold_rope_linear.FoldRopeLinearResult per graph rewritten
+        self.attention_o_results: list = []  # a passes.fuse_attention_o.FuseAttentionOResult per graph rewritten
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         input_names = user_input_names(gm)  # read before the passes rewrite the graph
@@ -95,6 +97,7 @@ class AttnGraphBackend:
             gm, extra = self._fuse_linears(gm, example_inputs)
             gm = self._skinny_linears(gm, device_type)
             gm = self._fold_rope(gm)
+            gm = self._fuse_attention_o(gm)
             fu.fill_example_values(gm)  # the passes' nodes: else AOTAutograd's cache refuses the graph
             fakes = self.fused_linears[-1].extra_fakes if extra else []
             inputs = list(example_inputs) + (fakes if len(fakes) == len(extra) else extra)
@@ -164,6 +167,19 @@ class AttnGraphBackend:
         self.rope_results.append(fold_rope(gm))
         if self.config.fold_rope_linear:
             self.rope_linear_results.append(fold_rope_linear(gm))
+        return gm
+
+    def _fuse_attention_o(self, gm: fx.GraphModule) -> fx.GraphModule:
+        """Paged mode with `CompileConfig.fuse_attention_o`: each attention op and the output
+        projection after it become one op (`passes.fuse_attention_o`), on a copy of the graph
+        unless an earlier pass made one."""
+        if not (self.config.fuse_attention_o and self.config.lower_attention):
+            return gm
+        if self.graphs and gm is self.graphs[-1]:  # Dynamo's own graph: rewrite a copy
+            graph = fx.Graph()
+            graph.output(graph.graph_copy(gm.graph, {}))
+            gm = fx.GraphModule(gm, graph)
+        self.attention_o_results.append(fuse_attention_o(gm))
         return gm
 
     def _token_mixing(self, gm: fx.GraphModule) -> list[TokenMixingOp]:

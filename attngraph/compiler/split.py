@@ -31,6 +31,8 @@ from .report import user_input_names
 
 #: The op lowered attention calls (registered by `attngraph.ops`), named, not imported.
 ATTENTION_OP_NAME = "attngraph::attention"
+#: The attention op with the output projection after it (`passes.fuse_attention_o`): also a cut.
+ATTENTION_O_OP_NAME = "attngraph::attention_o"
 
 STATIC, ATTENTION, ROWS = "static", "attention", "rows"
 
@@ -60,7 +62,7 @@ def is_attention_node(node: fx.Node) -> bool:
         return False
     name = getattr(node.target, "name", None)
     name = name() if callable(name) else name
-    return isinstance(name, str) and name.split(".")[0] == ATTENTION_OP_NAME
+    return isinstance(name, str) and name.split(".")[0] in (ATTENTION_OP_NAME, ATTENTION_O_OP_NAME)
 
 
 def split_at_attention(

@@ -36,9 +36,9 @@ from torch import fx
 from ..compiler.backend import compile_graph
 from ..compiler.ragged_check import ROW_INDEX_INPUTS, TOKEN_INPUTS
 from ..compiler.specialize import TokenCountSpecialized, compile_exact, copy_graph_module, free_symbols, token_axis
-from ..compiler.split import ATTENTION, ROWS, STATIC, is_attention_node, split_at_attention
+from ..compiler.split import ATTENTION, ATTENTION_O_OP_NAME, ROWS, STATIC, is_attention_node, split_at_attention
 from ..errors import CaptureError
-from ..ops import attention_impl, paged_attention_into
+from ..ops import attention_impl, attention_o_impl, paged_attention_into, paged_attention_o_into
 from .graph_memory import non_owning_tree
 
 logger = logging.getLogger(__name__)
@@ -187,13 +187,18 @@ class AttentionPiece:
         self.template = tuple(
             ("arg", placeholders.index(a)) if isinstance(a, fx.Node) else ("const", a) for a in call.args
         )
+        # the attention op, or the op that also projects its output (`ops.attention_o_impl`)
+        self.projects = getattr(call.target, "name", lambda: "")().split(".")[0] == ATTENTION_O_OP_NAME
 
     def __call__(self, *inputs: Any) -> torch.Tensor:
         args = [inputs[v] if kind == "arg" else v for kind, v in self.template]
         state = self.state
         if state.bucket is None:
-            return attention_impl(*args)
+            return attention_o_impl(*args) if self.projects else attention_impl(*args)
         q, v = args[0], args[2]
+        if self.projects:  # [T, N]: the projection's output (``o_weight: [N, Hq * Dv]``)
+            out = state.staging_rows(q.shape[0], (args[14].shape[0],), q.dtype, q.device)
+            return paged_attention_o_into(out, *args)
         out = state.staging_rows(q.shape[0], (q.shape[1], v.shape[2]), q.dtype, q.device)
         return paged_attention_into(out, *args)
 

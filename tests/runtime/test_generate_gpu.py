@@ -276,3 +276,29 @@ def test_norm_epilogue_on_gpu(arch, rope, monkeypatch):
         plain = model.generate(ids[:rows], attention_mask=mask[:rows], max_new_tokens=96, do_sample=False, pad_token_id=0,
                                eos_token_id=None)  # fmt: skip
         assert torch.equal(plain, out.sequences)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_attention_fused_with_output_projection_on_gpu(arch, monkeypatch):
+    """``fuse_attention_o=True``: each layer's attention and output projection are one op; decode
+    steps of one request run them as one launch (`decode_attention_o`, captured in the batch-1
+    graph), batches of two as the two ops. Teacher-forced against HF eager, and the own loop's
+    tokens equal HF's loop's."""
+    from attngraph.attn_backends.triton_ops import decode_attention_o
+
+    launches = []
+    plain_fwd = decode_attention_o.decode_attention_o_fwd
+    monkeypatch.setattr(decode_attention_o, "decode_attention_o_fwd", lambda q, *a, **kw: launches.append(q.shape[0]) or plain_fwd(q, *a, **kw))
+    model = model_of(arch)
+    reference = copy.deepcopy(model)
+    attngraph.accelerate(model, attention_backend="triton", page_size=16, kv_cache_tokens=8192, cuda_graph_capture_sizes=(1, 2, 4),
+                         fuse_attention_o=True)  # fmt: skip
+    results = state_of(model).runner.ragged.backend.attention_o_results
+    assert results and all(len(r.fused) == model.config.num_hidden_layers and not r.refused for r in results), [r.refused for r in results]
+    assert launches  # the batch-1 graph captured the fused launch
+    ids, mask = batch(model.config.vocab_size)
+    for rows in (1, 2):
+        out = generate_teacher_forced(model, reference, ids[:rows], mask[:rows], 96)
+        plain = model.generate(ids[:rows], attention_mask=mask[:rows], max_new_tokens=96, do_sample=False, pad_token_id=0,
+                               eos_token_id=None)  # fmt: skip
+        assert torch.equal(plain, out.sequences)
