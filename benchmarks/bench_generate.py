@@ -57,6 +57,7 @@ import functools
 import gc
 import json
 import os
+import re
 import shlex
 import statistics
 import sys
@@ -169,6 +170,10 @@ class _KeepScores(transformers.LogitsProcessor):
     def __call__(self, input_ids, scores):
         return scores
 
+
+#: ``--fuse-o`` on: ``on``, ``on-s8`` (at most 8 splits per KV head), ``on-o8`` (8 weight rows per
+#: projection program), ``on-s8-o8``.
+FUSE_O = re.compile(r"on(-s(\d+))?(-o(\d+))?")
 
 #: ``--pdl``: what each setting adds to the label.
 PDL_LABELS = {"on": "", "ours": " pdl=attngraph kernels only", "off": " pdl=off"}
@@ -342,7 +347,9 @@ def main() -> None:
                         "default and/or counts, comma-separated")  # fmt: skip
     p.add_argument("--fuse-o", default="default",
                    help="CompileConfig.fuse_attention_o (attention and the output projection as one op; one launch "
-                        "for a decode step of one request on Triton): default (the config's), on and/or off")
+                        "for a decode step of one request on Triton): default (the config's), off and/or on, on-sN "
+                        "(at most N splits per KV head in that launch), on-oN (N weight rows per projection program), "
+                        "on-sN-oM")  # fmt: skip
     p.add_argument("--repeats", type=int, default=3,
                    help="timed generates per row (after one warm-up); the median step is reported, the range beside it")
     p.add_argument("--variant", action="append", default=[], metavar="SPEC",
@@ -367,8 +374,8 @@ def main() -> None:
         p.error(f"--fold-rope takes default, on, off and/or linear; got {', '.join(bad)}")
     if bad := [v for v in args.norm_epilogue.split(",") if v not in ("default", "on", "off")]:
         p.error(f"--norm-epilogue takes default, on and/or off; got {', '.join(bad)}")
-    if bad := [v for v in args.fuse_o.split(",") if v not in ("default", "on", "off")]:
-        p.error(f"--fuse-o takes default, on and/or off; got {', '.join(bad)}")
+    if bad := [v for v in args.fuse_o.split(",") if v not in ("default", "off") and not FUSE_O.fullmatch(v)]:
+        p.error(f"--fuse-o takes default, off and/or on[-sSPLITS][-oROWS]; got {', '.join(bad)}")
     if bad := [v for v in args.prefetch.split(",") if v not in ("default", "on", "off")]:
         p.error(f"--prefetch takes default, on and/or off; got {', '.join(bad)}")
     if bad := [v for v in args.fold_rms_norm.split(",") if v not in ("on", "off")]:
@@ -473,7 +480,10 @@ def main() -> None:
             if ne != "default":
                 options["fold_norm_epilogue"] = ne == "on"
             if fo != "default":
-                options["fuse_attention_o"] = fo == "on"
+                options["fuse_attention_o"] = fo != "off"
+            on = FUSE_O.fullmatch(fo)  # the fused launch's splits and weight rows per program (read at capture)
+            triton_backend.TritonBackend.fused_o_max_splits = int(on.group(2)) if on and on.group(2) else None
+            triton_backend.TritonBackend.fused_o_block_o = int(on.group(4)) if on and on.group(4) else 4
             linear_ops.DOT_FOLD_NORM = DOT_FOLD_NORM_DEFAULT if dfold == "default" else dfold == "on"
             linear_ops.DOT_MIN_ROWS = DOT_MIN_ROWS_DEFAULT if dmin == "default" else int(dmin)
             weight_prefetch.ENABLED = prefetch_default if pf == "default" else pf == "on"  # read at capture

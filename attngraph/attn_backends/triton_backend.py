@@ -121,6 +121,12 @@ class TritonBackend(AttentionBackend):
         decode_metadata_on_device=True,  # the kernels read seq_lens and the page table directly
     )
 
+    #: `forward_decode_o`'s launch: at most this many splits per KV head (None: as the decode
+    #: kernel's `decode_max_splits`; fewer attention programs leave more of the launch's
+    #: register budget to the projection's), and the weight rows per projection program.
+    fused_o_max_splits: int | None = None
+    fused_o_block_o: int = 4
+
     def __init__(
         self,
         spec: ModelAttentionSpec | None = None,
@@ -357,6 +363,8 @@ class TritonBackend(AttentionBackend):
         kb = pool.k_buffers[layer.layer_id].view(-1, pool.num_kv_heads, pool.head_dim)
         vb = pool.v_buffers[layer.layer_id].view(-1, pool.num_kv_heads, pool.v_head_dim)
         splits = self.decode_max_splits(1, hkv, q.device)
+        if self.fused_o_max_splits is not None:
+            splits = max(1, min(splits, self.fused_o_max_splits))
         part_o, part_lse = self._partials(1, hq, splits, d, q.device)
         y = q.new_empty((q.shape[0], weight.shape[0]))
         decode_attention_o_fwd(
@@ -365,6 +373,7 @@ class TritonBackend(AttentionBackend):
             v_new=_last_dim_contiguous(v[:1]), new_loc=batch.out_cache_loc[:1],
             counters=self._counters(hq, q.device), weight=weight, sync=self._o_sync(layer.layer_id, q.device),
             bias=bias, out=y[:1], min_split_len=self.min_split_len, window_left=layer.window_left,
+            block_o=self.fused_o_block_o,
         )  # fmt: skip
         return y
 
