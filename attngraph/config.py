@@ -176,7 +176,11 @@ class CompileConfig:
         kernel boundary sits between the two on the step's critical path; other steps and
         backends run the two ops as before. Not with `fold_rope` (the fused kernel does not
         rotate) nor where `fold_norm_epilogue` gave the projection the MLP's norm: those
-        sites keep the projection apart. Off by default until timed in the step.
+        sites keep the projection apart. Off by default: on an H100 the 1B-shaped batch-1
+        step ran 16 kernels fewer but slower (1.268 ms, and 1.251 with 8 splits and 8 weight
+        rows per program, against 1.211; ``benchmarks/bench_generate.py --variant default
+        --variant fuse-o=on --variant fuse-o=on-s8-o8``,
+        ``benchmarks/results/generate_fuse_o_h100_2026-12-06.json``).
     absorb_mla:
         Paged runtime: multi-head latent attention (DeepSeek V2/V3 and kin) attends over its
         latent plus RoPE key, one KV head of ``kv_lora_rank + qk_rope_head_dim`` values per

@@ -4,9 +4,12 @@ A decode step's kernels take a few microseconds each and overlap under programma
 launch (`attngraph.pdl`), so a profiler's kernel spans do not say when a kernel's programs
 started, when their wait for the kernel before returned, or how long a load or an atomic took.
 A kernel built with its ``TRACE`` constexpr records, per program, the GPU's global nanosecond
-timer (``%globaltimer``: one clock for every SM) and the SM's cycle counter (``%clock64``) at
-fixed points of its path, and the SM it ran on, into a buffer the caller passes; the default
-build (``TRACE`` off) holds none of it and computes the same values either way.
+timer (``%globaltimer``) and the SM's cycle counter (``%clock64``) at fixed points of its
+path, and the SM it ran on, into a buffer the caller passes; the default build (``TRACE`` off)
+holds none of it and computes the same values either way. Spans within one program (its
+cycle counter) are exact. The global timer orders programs on different SMs only to within
+about 2 us: on an H100 a GEMV's programs stamped their release from the PDL wait before the
+kernel they waited for had finished, which the wait forbids (``benchmarks/BENCHMARKS.md``).
 ``benchmarks/bench_gemv_chain.py --trace`` reads the records of a decode step's kernels.
 
 A stamp takes a value the program has just computed (``dep``, an int32 scalar) and reads the

@@ -300,8 +300,9 @@ def print_trace_summary(label: str, summary: dict) -> None:
     for kernel in ("attention", "o"):
         for point, v in summary[kernel].items():
             print(f"| {kernel} | {point} | {v['first']:.3f} | {v['last']:.3f} |")
-    print(f"attention done -> o projection released: {summary['boundary_us']} us; attention programs' phases (us, "
-          f"{summary['ghz']} GHz): {json.dumps(summary['attention_phases_us'])}")
+    print(f"attention done -> o projection released: {summary['boundary_us']} us (global timers of different SMs: "
+          f"+-2 us); attention programs' phases (us, {summary['ghz']} GHz, each program's own clock): "
+          f"{json.dumps(summary['attention_phases_us'])}")
 
 
 def time_graphs(graphs: dict[str, torch.cuda.CUDAGraph], rounds: int, replays: int) -> dict[str, list[float]]:
