@@ -38,6 +38,7 @@ measured in the same run.
     python benchmarks/bench_gemv_chain.py --shape 8b --rows 1 --sweep down --stages 1,2,3
     python benchmarks/bench_gemv_chain.py --attention --sweep o --block-n 4 --block-k 1024,2048 --stages 1 --preload 1,0
     python benchmarks/bench_gemv_chain.py --attention --trace --sweep ""   # where a layer's attention time goes
+    python benchmarks/bench_gemv_chain.py --attention --trace --sweep "" --decode "min_split=256" --decode "merge_chunk=4"
 
 Prints one JSON line per variant and a Markdown table; ends with the best configuration per
 projection (the `TUNED` entries of ``attngraph/skinny_linear.py`` to try in the model with
@@ -161,11 +162,21 @@ class Chain:
                                self.max_splits)  # fmt: skip
         return [(kernel_clock.new_buffer(attn, "cuda"), kernel_clock.new_buffer(o_programs, "cuda")) for _ in self.w]
 
-    def _attend(self, qkv: torch.Tensor, layer: int, trace: torch.Tensor | None = None) -> torch.Tensor:
+    def _attend(self, qkv: torch.Tensor, layer: int, trace: torch.Tensor | None = None,
+                decode: dict | None = None) -> torch.Tensor:  # fmt: skip
         """RoPE and decode attention of one layer: ``qkv: [rows, (Hq + 2 Hkv) D]`` -> ``[rows, Hq D]``
-        (the new K/V stored into the layer's pool by the decode kernel)."""
-        from attngraph.attn_backends.triton_ops.decode_attention import decode_attention_fwd
+        (the new K/V stored into the layer's pool by the decode kernel). ``decode``: the
+        kernel's ``min_split_len``, ``merge_chunk`` (splits the merging program loads at once)
+        and ``merge`` (False: stage 1 stores the partials and a second launch merges them)."""
+        from attngraph.attn_backends.triton_ops import decode_attention as da
+        from attngraph.attn_backends.triton_ops.decode_attention import DEFAULT_MIN_SPLIT_LEN, decode_attention_fwd
         from attngraph.rope_kernel import rope_qk
+
+        decode = decode or {}
+        chunk = decode.get("merge_chunk")
+        plain_chunk = da.merge_chunk
+        if chunk is not None:  # read by the launch below
+            da.merge_chunk = lambda *_: chunk
 
         rows, hq, hkv, d = self.rows, self.heads, self.kv_heads, self.head_dim
         q = qkv[:, : hq * d].view(rows, hq, d)
@@ -174,9 +185,13 @@ class Chain:
         q, k = rope_qk(q, k, self.cos, self.sin)
         out = torch.empty(rows, hq, d, device=qkv.device, dtype=qkv.dtype)
         k_pool, v_pool = self.pools[layer]
-        decode_attention_fwd(q, k_pool, v_pool, out, self.req_to_page, self.req_idx, self.seq_lens, self.part_o,
-                             self.part_lse, page_size=PAGE_SIZE, scale=d**-0.5, max_splits=self.max_splits, k_new=k,
-                             v_new=v, new_loc=self.new_loc, counters=self.counters, trace=trace)  # fmt: skip
+        try:
+            decode_attention_fwd(q, k_pool, v_pool, out, self.req_to_page, self.req_idx, self.seq_lens, self.part_o,
+                                 self.part_lse, page_size=PAGE_SIZE, scale=d**-0.5, max_splits=self.max_splits, k_new=k,
+                                 v_new=v, new_loc=self.new_loc, counters=self.counters if decode.get("merge", True) else None,
+                                 trace=trace, min_split_len=decode.get("min_split_len", DEFAULT_MIN_SPLIT_LEN))  # fmt: skip
+        finally:
+            da.merge_chunk = plain_chunk
         return out.view(rows, hq * d)
 
     def _attend_project(self, qkv: torch.Tensor, layer: int, w_o: torch.Tensor, fuse: dict) -> torch.Tensor:
@@ -215,7 +230,8 @@ class Chain:
                 x, h = add_rms_norm(self._attend_project(qkv, layer, w["o"], configs["fuse_o"]), w["norm2"], EPS, residual=h)
             elif self.attention:
                 attn_trace, o_trace = traces[layer] if traces is not None else (None, None)
-                o = skinny_linear(self._attend(qkv, layer, attn_trace), w["o"], config=configs["o"], trace=o_trace)
+                a = self._attend(qkv, layer, attn_trace, configs.get("decode") or {})
+                o = skinny_linear(a, w["o"], config=configs["o"], trace=o_trace)
                 x, h = add_rms_norm(o, w["norm2"], EPS, residual=h)
             else:
                 x = skinny_linear(qkv[:, : self.hidden], w["o"], config=configs["o"])
@@ -359,6 +375,10 @@ def main() -> None:
                    help="with --attention and one row: also time decode attention and the output projection in one "
                         "launch (decode_attention_o_fwd), at the backend's splits with 4 weight rows per program and "
                         "at 8 splits with 4 and 8 rows, the weight tile before (and after) the PDL wait")
+    p.add_argument("--decode", action="append", default=[], metavar="SPEC",
+                   help="with --attention, a variant of the decode kernel (repeatable): space-separated min_split=N "
+                        "(shortest split in keys), merge_chunk=N (splits the merging program loads at once), "
+                        "merge=0 (a second launch merges the splits)")  # fmt: skip
     p.add_argument("--trace", action="store_true",
                    help="with --attention: also replay each variant with timestamps recorded inside its decode attention "
                         "and output projection kernels (attngraph.kernel_clock), and print where a layer's time goes")
@@ -383,6 +403,17 @@ def main() -> None:
         for splits, block_o, preload in ((None, 4, True), (8, 4, True), (8, 8, True), (8, 8, False)):
             label = f"fused attention + o, splits={splits or 'backend'} BLOCK_O={block_o}" + ("" if preload else " after wait")
             variants.append((label, {"fuse_o": dict(max_splits=splits, block_o=block_o, preload=preload)}))
+    for spec in args.decode:
+        if not args.attention:
+            p.error("--decode needs --attention")
+        keys = {"min_split": ("min_split_len", int), "merge_chunk": ("merge_chunk", int), "merge": ("merge", lambda v: v != "0")}
+        decode = {}
+        for item in spec.split():
+            key, _, value = item.partition("=")
+            if key not in keys or not value:
+                p.error(f"--decode {spec!r}: {item!r} is none of min_split=N, merge_chunk=N, merge=0")
+            decode[keys[key][0]] = keys[key][1](value)
+        variants.append((f"decode {spec}", {"decode": decode}))
     for name in [s for s in args.sweep.split(",") if s]:
         variants += sweep(defaults[name], name, args.rows, *shapes[name], ints(args.block_n), ints(args.block_k),
                           ints(args.stages), ints(args.preload))  # fmt: skip
@@ -391,8 +422,9 @@ def main() -> None:
     graphs, outs, configs = {}, {}, {}
     for label, override in variants:
         cfgs = {name: override.get(name, defaults[name]) for name in shapes}
-        if "fuse_o" in override:
-            cfgs["fuse_o"] = override["fuse_o"]
+        for extra in ("fuse_o", "decode"):
+            if extra in override:
+                cfgs[extra] = override[extra]
         try:
             graphs[label], outs[label] = chain.capture(cfgs)
             configs[label] = cfgs

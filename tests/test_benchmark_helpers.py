@@ -133,6 +133,14 @@ def test_chain_with_attention_runs_a_decode_layer():
     assert (got - want).abs().max() < 1e-2, (got - want).abs().max()
     assert (chain.pools[0][0][slots[context]].float() - k_rot).abs().max() < 2e-2  # rotated, rounded to bf16
     assert torch.equal(chain.pools[0][1][slots[context]], qkv[0, (hq + hkv) * d :].view(hkv, d))
+    # `--decode` variants of the kernel: one split (no merge), a merge chunk of one split, the
+    # splits merged by a second launch; the same output within rounding (the same new K/V stored)
+    for decode in (dict(min_split_len=256), dict(merge_chunk=1), dict(merge=False)):
+        again = chain._attend(qkv, 0, None, decode).float()
+        assert (again - want).abs().max() < 1e-2, (decode, (again - want).abs().max())
+    from attngraph.attn_backends.triton_ops import decode_attention
+
+    assert decode_attention.merge_chunk(16, 64) == 8  # the override was put back
 
     got = chain.run({name: None for name in bench_gemv_chain.PROJECTIONS}).float()
     down, h = chain.x.float(), chain.h.float()
