@@ -144,10 +144,7 @@ class AttnGraphBackend:
         on a copy of the graph unless `_fuse_linears` made one already."""
         if not (self.config.resolved_skinny_linears(device_type) and self.config.lower_attention):
             return gm
-        if self.graphs and gm is self.graphs[-1]:  # Dynamo's own graph: rewrite a copy
-            graph = fx.Graph()
-            graph.output(graph.graph_copy(gm.graph, {}))
-            gm = fx.GraphModule(gm, graph)
+        gm = self._own_copy(gm)
         self.skinny_results.append(skinny_linears(gm, token_inputs=self.token_inputs, row_index_inputs=self.row_index_inputs))
         if self.config.fold_rms_norm:
             self.norm_results.append(fold_rms_norm(gm))
@@ -160,13 +157,19 @@ class AttnGraphBackend:
         (`passes.fold_rope`), on a copy of the graph unless an earlier pass made one."""
         if not (self.config.fold_rope and self.config.lower_attention):
             return gm
-        if self.graphs and gm is self.graphs[-1]:  # Dynamo's own graph: rewrite a copy
-            graph = fx.Graph()
-            graph.output(graph.graph_copy(gm.graph, {}))
-            gm = fx.GraphModule(gm, graph)
+        gm = self._own_copy(gm)
         self.rope_results.append(fold_rope(gm))
         if self.config.fold_rope_linear:
             self.rope_linear_results.append(fold_rope_linear(gm))
+        return gm
+
+    def _own_copy(self, gm: fx.GraphModule) -> fx.GraphModule:
+        """``gm`` to rewrite: a copy where it is Dynamo's own graph (Dynamo keeps reading it),
+        else ``gm`` itself (an earlier pass's copy)."""
+        if self.graphs and gm is self.graphs[-1]:
+            graph = fx.Graph()
+            graph.output(graph.graph_copy(gm.graph, {}))
+            gm = fx.GraphModule(gm, graph)
         return gm
 
     def _fuse_attention_o(self, gm: fx.GraphModule) -> fx.GraphModule:
@@ -175,10 +178,7 @@ class AttnGraphBackend:
         unless an earlier pass made one."""
         if not (self.config.fuse_attention_o and self.config.lower_attention):
             return gm
-        if self.graphs and gm is self.graphs[-1]:  # Dynamo's own graph: rewrite a copy
-            graph = fx.Graph()
-            graph.output(graph.graph_copy(gm.graph, {}))
-            gm = fx.GraphModule(gm, graph)
+        gm = self._own_copy(gm)
         self.attention_o_results.append(fuse_attention_o(gm))
         return gm
 
