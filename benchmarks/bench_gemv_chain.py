@@ -26,7 +26,9 @@ over ``--context`` cached keys per request (the pool's keys before the new token
 consecutive pages), so the GEMVs meet the latency-bound kernels they follow in the model (the
 RoPE kernel here is attngraph's, the model's is inductor's). ``--fuse-o`` adds variants that run
 each layer's decode attention and output projection in one launch
-(`triton_ops.decode_attention_o`), not yet in the model. A variant changes the
+(`triton_ops.decode_attention_o`; the model's with `CompileConfig.fuse_attention_o`), and
+``--decode`` variants of the decode kernel (its shortest split, merge chunk, a second merging
+launch). A variant changes the
 configuration of one projection (``qkv``, ``o``, ``down``, ``lm_head``) and keeps the others at
 `default_config`'s; ``unpipelined`` runs every GEMV with ``num_stages = 1`` (one weight chunk in
 flight per program, the kernel's loop before it was pipelined). The graphs are replayed in

@@ -20,8 +20,10 @@ GEMV does (in another order: equal within rounding, not bit for bit).
 
 One request (a batch of one), heads of a power-of-two dim, K and V dims equal, no logit cap,
 ALiBi, sinks, chunks or rotation in the kernel (`decode_attention_fwd` serves those); a sliding
-window is honoured. Not used by the model yet: ``benchmarks/bench_gemv_chain.py --fuse-o``
-times it against the two launches.
+window is honoured. The model runs it with `CompileConfig.fuse_attention_o`
+(`TritonBackend.forward_decode_o`), off by default: on an H100 it made the 1B-shaped batch-1
+step slower (``benchmarks/BENCHMARKS.md``); ``benchmarks/bench_gemv_chain.py --fuse-o`` times it
+against the two launches.
 
 Both roles live in one kernel, so the attention role's registers set every program's: compiled
 for sm_90, 167 a thread at the 1B shape (heads of 64, 4 warps: about 3 programs an SM) and 255
