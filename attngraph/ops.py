@@ -230,9 +230,16 @@ def attention_o_impl(
     In the paged form a backend with ``forward_decode_o`` may run both in one launch (Triton:
     one request's decode step, `triton_ops.decode_attention_o`); otherwise the attention op
     and `attngraph.linear` run one after the other. Rows past the batch's tokens (padding)
-    are left as the two ops leave them: unread. Inference only (no autograd)."""
-    from .linear_ops import linear_impl
+    are left as the two ops leave them: unread. Inference only (no autograd).
 
+    Raises `InputError` for a projection that does not fit the attention output (weight not
+    ``[N, Hq * Dv]`` of q's dtype and device, a bias not ``[N]``, an unknown ``o_rows``) before
+    anything runs: no K/V is stored then."""
+    from .linear_ops import _check_bias, _check_linear, linear_impl, real_rows
+
+    n_out = _check_linear("attention_o", q, o_weight, q.shape[1] * v.shape[2])  # the output is q's dtype
+    _check_bias(o_bias, n_out, q)
+    real_rows(o_rows, q.shape[0])  # a valid row kind
     ctx = get_forward_context()
     if ctx is not None and ctx.batch is not None and rope_cos is None and rope_sin is None:
         fused = getattr(ctx.backend, "forward_decode_o", None)

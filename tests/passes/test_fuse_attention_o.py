@@ -135,3 +135,24 @@ def test_folded_rotation_is_refused():
     op.args = (*op.args, None, 0, None, rows, rows)
     result = fuse_attention_o(gm)
     assert not result.fused and "fold_rope" in result.refused[0][1]
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(o_weight=torch.randn(HIDDEN, H * D + 1)), r"weight must be \[N, 64\]"),
+    (dict(o_weight=torch.randn(HIDDEN, H * D, dtype=torch.float64)), "must match"),
+    (dict(o_weight=torch.randn(HIDDEN, H * D), o_bias=torch.randn(HIDDEN + 1)), r"bias must be a torch.float32 \[32\]"),
+    (dict(o_weight=torch.randn(0, H * D).T), r"weight must be \[N, 64\]"),
+    (dict(o_weight=torch.randn(HIDDEN, H * D), o_rows=7), "rows must be one of"),
+])  # fmt: skip
+def test_op_refuses_a_projection_that_does_not_fit_before_attending(bad, match, monkeypatch):
+    """`attngraph.attention_o` checks the projection before the attention runs (in the paged form
+    that would store K/V first): the attention is never called."""
+    from attngraph.errors import InputError
+
+    calls = []
+    monkeypatch.setattr(ops, "attention_impl", lambda *a, **k: calls.append(a))
+    q, k, v = torch.randn(3, H, D), torch.randn(3, HKV, D), torch.randn(3, HKV, D)
+    kwargs = {"o_bias": None, "o_rows": 0, **bad}
+    with pytest.raises(InputError, match=match):
+        ops.attention_o_impl(q, k, v, 0, 0.25, True, -1, 0.0, 1, None, 0, None, None, None, **kwargs)
+    assert not calls
