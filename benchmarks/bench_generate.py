@@ -181,7 +181,7 @@ PDL_LABELS = {"on": "", "ours": " pdl=attngraph kernels only", "off": " pdl=off"
 #: The switches a row combines, in the order of its variant tuple (``--variant`` names them so).
 VARIANT_SWITCHES = ("backends", "skinny", "fold_rms_norm", "pdl", "one_row_limit", "dot", "prefetch", "dot_fold_norm",
                     "dot_min_rows", "fold_rope", "l2_prefetch_mlp", "norm_epilogue", "gemv_table", "decode_block_n",
-                    "decode_min_split", "fuse_o")  # fmt: skip
+                    "decode_min_split", "fuse_o", "decode_merge_chunk")  # fmt: skip
 
 #: ``--loops``: generate keywords per decoding loop.
 LOOPS = {"chunks": {}, "steps": {"logits_processor": transformers.LogitsProcessorList([_KeepScores()])}}
@@ -345,6 +345,9 @@ def main() -> None:
     p.add_argument("--decode-min-split", default="default",
                    help="the Triton backend's min_split_len (a request's decode splits hold at least this many keys): "
                         "default and/or counts, comma-separated")  # fmt: skip
+    p.add_argument("--decode-merge-chunk", default="default",
+                   help="splits whose partials the Triton decode kernel's merging program loads together: default "
+                        "(decode_attention.merge_chunk's choice) and/or counts, comma-separated")  # fmt: skip
     p.add_argument("--fuse-o", default="default",
                    help="CompileConfig.fuse_attention_o (attention and the output projection as one op; one launch "
                         "for a decode step of one request on Triton): default (the config's), off and/or on, on-sN "
@@ -387,6 +390,8 @@ def main() -> None:
     if bad := [v for v in args.decode_block_n.split(",") if v != "default" and not (v.isdigit() and int(v) >= 16
                                                                                    and int(v) & (int(v) - 1) == 0)]:
         p.error(f"--decode-block-n takes 'default' or powers of two >= 16; got {', '.join(bad)}")
+    if bad := [v for v in args.decode_merge_chunk.split(",") if v != "default" and not (v.isdigit() and int(v) >= 1)]:
+        p.error(f"--decode-merge-chunk takes 'default' or split counts >= 1; got {', '.join(bad)}")
     if bad := [v for v in args.decode_min_split.split(",") if v != "default" and not (v.isdigit() and int(v) >= 1)]:
         p.error(f"--decode-min-split takes 'default' or key counts >= 1; got {', '.join(bad)}")
     if bad := [v for v in args.gemv_table.split(",") if v not in ("tuned", "unpipelined") and not os.path.isfile(v)]:
@@ -404,6 +409,7 @@ def main() -> None:
     from attngraph.attn_backends.triton_ops import decode_attention
 
     block_n_default = decode_attention.decode_block_n
+    merge_chunk_default = decode_attention.merge_chunk
     from attngraph.attn_backends import triton_backend
 
     min_split_default = triton_backend.TritonBackend.__init__.__kwdefaults__["min_split_len"]
@@ -442,21 +448,22 @@ def main() -> None:
                     except Exception as exc:
                         add("HF static cache + torch.compile", b, error=f"{type(exc).__name__}: {exc}"[:500])
                     torch._dynamo.reset()
-        variants = [(name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn, dms, fo) for name in args.backends.split(",") if name
+        variants = [(name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn, dms, fo, mc) for name in args.backends.split(",") if name
                     for skinny in args.skinny.split(",") for fold in args.fold_rms_norm.split(",") for pdl in args.pdl.split(",")
                     for limit in args.one_row_limit.split(",") for dot in args.dot.split(",")
                     for pf in args.prefetch.split(",") for dfold in args.dot_fold_norm.split(",")
                     for dmin in args.dot_min_rows.split(",") for rope in args.fold_rope.split(",")
                     for l2 in args.l2_prefetch_mlp.split(",") for ne in args.norm_epilogue.split(",")
                     for gt in args.gemv_table.split(",") for dbn in args.decode_block_n.split(",")
-                    for dms in args.decode_min_split.split(",") for fo in args.fuse_o.split(",")]  # fmt: skip
+                    for dms in args.decode_min_split.split(",") for fo in args.fuse_o.split(",")
+                    for mc in args.decode_merge_chunk.split(",")]  # fmt: skip
         if variant_specs:  # --variant: the named rows only, in their order
             variants = variant_specs
 
         def apply(variant: tuple) -> tuple[str, dict]:
             """Set the module settings of ``variant`` (read at compile and capture); its label and
             `attngraph.accelerate`'s keywords."""
-            name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn, dms, fo = variant
+            name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn, dms, fo, mc = variant
             label = f"attngraph[{name}]" + ("" if skinny == "on" else " skinny_linears=False") + PDL_LABELS[pdl]
             label += "" if fold == "on" else " fold_rms_norm=False"
             label += "" if limit == "default" else f" one-row GEMV <= {limit}"
@@ -471,10 +478,12 @@ def main() -> None:
             label += "" if dbn == "default" else f" decode-block-n={dbn}"
             label += "" if dms == "default" else f" decode-min-split={dms}"
             label += "" if fo == "default" else f" fuse-o={fo}"
+            label += "" if mc == "default" else f" decode-merge-chunk={mc}"
             # the constructor's default, read when accelerate makes the backend
             triton_backend.TritonBackend.__init__.__kwdefaults__["min_split_len"] = (
                 min_split_default if dms == "default" else int(dms))  # fmt: skip
             decode_attention.decode_block_n = block_n_default if dbn == "default" else (lambda *a, n=int(dbn): n)
+            decode_attention.merge_chunk = merge_chunk_default if mc == "default" else (lambda *a, n=int(mc): n)
             skinny_linear.default_config = gemv_tables[gt]  # read at capture
             options = {} if rope == "default" else {"fold_rope": rope != "off", "fold_rope_linear": rope == "linear"}
             if ne != "default":

@@ -46,7 +46,7 @@ from .decode_attention import (
     NO_WINDOW,
     _attend_block,
     _load_block,
-    _merge_splits,
+    _merge_split,
     _merge_stored_splits,
     _split_plan,
     check_last_dim_contiguous,
@@ -148,7 +148,7 @@ def _attention_role(ticket, Q, K, V, ReqToPage, ReqIdx, SeqLens, PartO, PartLse,
             l = tl.zeros([BLOCK_H], tl.float32)
             res = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
             if num_splits == 1:
-                m, l, res = _merge_splits(m, l, res, part_lse[None, :], part_o[None, :, :])
+                m, l, res = _merge_split(m, l, res, part_lse, part_o)
             else:
                 m, l, res = _merge_stored_splits(m, l, res, pl_ptrs, po_ptrs, stride_pos, num_splits, mask_h, mask_o,
                                                  MERGE_CHUNK)  # fmt: skip
