@@ -102,6 +102,11 @@ TUNED_NORM: dict[tuple[int, int, int], dict[str, int]] = {
     # H200, bf16, `bench_skinny_gemm.py --quick --norm --rows 1,2 --shapes 1b,8b`: where the fold
     # runs and its winner differs from `TUNED`'s (the 1B q/k/v at two rows: 6.88 against 7.54 us)
     (2, 3072, 2048): dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=1, SPLIT_K=1),
+    # the 1B q/k/v of one row: `TUNED`'s tile with every weight load after the PDL wait, so its
+    # loads do not compete with the kernel before (the MLP's down projection). H100, one 1B
+    # decode step: 1.163 against 1.170 ms (bench_generate.py --interleave --variant
+    # gemv-table=benchmarks/gemv_tables/qkv_after_wait.json), 0.8% of a chain of 1B layers
+    (1, 3072, 2048): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1, SPLIT_K=1, PRELOAD=0),
 }
 
 _CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K")

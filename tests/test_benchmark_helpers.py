@@ -140,7 +140,7 @@ def test_chain_with_attention_runs_a_decode_layer():
         assert (again - want).abs().max() < 1e-2, (decode, (again - want).abs().max())
     from attngraph.attn_backends.triton_ops import decode_attention
 
-    assert decode_attention.merge_chunk(16, 64) == 8  # the override was put back
+    assert decode_attention.merge_chunk(16, 64) == decode_attention.MAX_MERGE_CHUNK  # the override was put back
 
     got = chain.run({name: None for name in bench_gemv_chain.PROJECTIONS}).float()
     down, h = chain.x.float(), chain.h.float()

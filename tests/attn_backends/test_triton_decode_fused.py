@@ -460,7 +460,7 @@ def test_gpu_fused_decode_cuda_graph_replay():
 def test_merge_chunk_sizes():
     """`merge_chunk`: as many [BLOCK_H, BLOCK_DV] fp32 tiles as the budget holds, a power of two
     from 1 to MAX_MERGE_CHUNK."""
-    assert decode_attention.merge_chunk(16, 64) == 8
+    assert decode_attention.merge_chunk(16, 64) == 4 == decode_attention.MAX_MERGE_CHUNK
     assert decode_attention.merge_chunk(16, 128) == 4
     assert decode_attention.merge_chunk(16, 256) == 2
     assert decode_attention.merge_chunk(64, 512) == 1

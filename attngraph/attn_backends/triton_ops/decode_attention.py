@@ -558,10 +558,14 @@ def decode_block_h(group: int, head_dim: int, v_head_dim: int, dtype: torch.dtyp
     return min(max(16, triton.next_power_of_2(group)), cap)
 
 
-#: fp32 partial values the fused merge loads at once (`merge_chunk`): 64 registers a thread on 4 warps.
+#: fp32 partial values the fused merge keeps in flight at once (`merge_chunk`): 64 registers a
+#: thread on 4 warps.
 MERGE_CHUNK_VALUES = 8192
-#: Most splits the fused merge loads at once.
-MAX_MERGE_CHUNK = 8
+#: Most splits the fused merge loads at once. The merge of a 1B decode step's 3 splits (16 x 64
+#: tiles, one 1B layer chained on an H100, per-program cycle counters: bench_gemv_chain.py
+#: --attention --trace --decode merge_chunk=N): 0.74 us with 4, 1.0 us with 8 or 1. Unrolled 8
+#: times, the merge also runs the arithmetic of the splits a short request does not have.
+MAX_MERGE_CHUNK = 4
 
 
 def merge_chunk(block_h: int, block_dv: int) -> int:
@@ -569,8 +573,8 @@ def merge_chunk(block_h: int, block_dv: int) -> int:
     `MAX_MERGE_CHUNK`): as many ``[BLOCK_H, BLOCK_DV]`` fp32 tiles as `MERGE_CHUNK_VALUES` holds.
     The merging program is the last of its tile to finish, on the launch's critical path: a
     request of up to that many splits merges after one round trip to memory, where one split
-    at a time took one each. 16 x 64 (the 1B shape's heads) -> 8; 16 x 128 -> 4; MLA's latent
-    64 x 512 -> 1."""
+    at a time took one each. 16 x 64 (the 1B shape's heads) and 16 x 128 -> 4; 16 x 256 -> 2;
+    MLA's latent 64 x 512 -> 1."""
     fit = MERGE_CHUNK_VALUES // max(block_h * block_dv, 1)
     return min(MAX_MERGE_CHUNK, 1 << (max(fit, 1).bit_length() - 1))
 
