@@ -30,7 +30,10 @@ each layer's decode attention and output projection in one launch
 ``--decode`` variants of the decode kernel (its shortest split, merge chunk, a second merging
 launch). A variant changes the
 configuration of one projection (``qkv``, ``o``, ``down``, ``lm_head``) and keeps the others at
-`default_config`'s; ``unpipelined`` runs every GEMV with ``num_stages = 1`` (one weight chunk in
+`default_config`'s; ``--sweep gate_up`` runs the gate/up product on the GEMV instead of cuBLAS,
+with the residual add and the MLP's norm folded into it (``skinny_rms_norm_linear``: one kernel
+fewer per layer, and both its edges under programmatic dependent launch), at `default_config`'s
+tile and the grid's; ``unpipelined`` runs every GEMV with ``num_stages = 1`` (one weight chunk in
 flight per program, the kernel's loop before it was pipelined). The graphs are replayed in
 interleaved rounds, so a drift of the clocks spreads over all variants alike; each row gives
 the median time per chain and its ratio to the weight-read floor at the copy bandwidth
@@ -39,6 +42,7 @@ measured in the same run.
     python benchmarks/bench_gemv_chain.py --shape 1b --rows 1 --out results/gemv_chain.json
     python benchmarks/bench_gemv_chain.py --shape 8b --rows 1 --sweep down --stages 1,2,3
     python benchmarks/bench_gemv_chain.py --attention --sweep o --block-n 4 --block-k 1024,2048 --stages 1 --preload 1,0
+    python benchmarks/bench_gemv_chain.py --attention --sweep gate_up --block-n 4,8,16 --block-k 512,1024,2048 --stages 1,2
     python benchmarks/bench_gemv_chain.py --attention --trace --sweep ""   # where a layer's attention time goes
     python benchmarks/bench_gemv_chain.py --attention --trace --sweep "" --decode "min_split=256" --decode "merge_chunk=4"
 
@@ -80,13 +84,18 @@ HEADS = {"1b": (32, 8, 64), "8b": (32, 8, 128), "tiny": (4, 2, 16)}
 PAGE_SIZE = 16
 EPS = 1e-5
 #: the chain's GEMVs: name -> (what default_config is asked for: silu_mul, norm)
-PROJECTIONS = {"qkv": (False, True), "o": (False, False), "down": (True, False), "lm_head": (False, False)}
+#: name -> (SiLU-mul input, RMSNorm folded) of the chain's projections. ``gate_up`` runs on cuBLAS
+#: unless a variant gives it a GEMV configuration (then with the MLP's norm folded, as the model
+#: runs it when its weight is under `linear_ops.KERNEL_MAX_WEIGHT_ONE_ROW`).
+PROJECTIONS = {"qkv": (False, True), "o": (False, False), "gate_up": (False, True), "down": (True, False),
+               "lm_head": (False, False)}  # fmt: skip
 
 
 def projection_shapes(shape: str) -> dict[str, tuple[int, int]]:
     """``name -> (N, K)`` of the chain's GEMVs."""
     hidden, inter, qkv, vocab, _ = SHAPES[shape]
-    return {"qkv": (qkv, hidden), "o": (hidden, hidden), "down": (hidden, inter), "lm_head": (vocab, hidden)}
+    return {"qkv": (qkv, hidden), "o": (hidden, hidden), "gate_up": (2 * inter, hidden), "down": (hidden, inter),
+            "lm_head": (vocab, hidden)}  # fmt: skip
 
 
 class Chain:
@@ -218,26 +227,34 @@ class Chain:
         return out
 
     def run(self, configs: dict[str, dict | None], traces: list | None = None) -> torch.Tensor:
-        """One pass of the chain with ``configs[name]`` (None: `default_config`'s); ``traces``
+        """One pass of the chain with ``configs[name]`` (None: `default_config`'s; for ``gate_up``
+        cuBLAS, and a configuration runs it on the GEMV with the MLP's norm folded); ``traces``
         (`new_traces`, with ``attention``): each layer's attention and output projection
         record timestamps."""
         from attngraph.rms_norm import add_rms_norm
 
         down, h = self.x, self.h
+        gate_up = configs.get("gate_up")
         for layer, w in enumerate(self.w):
             # a new residual stream: every program reads the old one for the norm's statistics
             h, residual = torch.empty_like(h), h
             qkv = skinny_rms_norm_linear(down, w["norm"], EPS, w["qkv"], residual=residual, h_out=h, config=configs["qkv"])
-            if self.attention and configs.get("fuse_o"):
-                x, h = add_rms_norm(self._attend_project(qkv, layer, w["o"], configs["fuse_o"]), w["norm2"], EPS, residual=h)
-            elif self.attention:
-                attn_trace, o_trace = traces[layer] if traces is not None else (None, None)
-                a = self._attend(qkv, layer, attn_trace, configs.get("decode") or {})
-                o = skinny_linear(a, w["o"], config=configs["o"], trace=o_trace)
-                x, h = add_rms_norm(o, w["norm2"], EPS, residual=h)
-            else:
+            if not self.attention:
                 x = skinny_linear(qkv[:, : self.hidden], w["o"], config=configs["o"])
-            gu = F.linear(x, w["gate_up"])
+                gu = F.linear(x, w["gate_up"]) if gate_up is None else skinny_linear(x, w["gate_up"], config=gate_up)
+            else:
+                if configs.get("fuse_o"):
+                    o = self._attend_project(qkv, layer, w["o"], configs["fuse_o"])
+                else:
+                    attn_trace, o_trace = traces[layer] if traces is not None else (None, None)
+                    a = self._attend(qkv, layer, attn_trace, configs.get("decode") or {})
+                    o = skinny_linear(a, w["o"], config=configs["o"], trace=o_trace)
+                if gate_up is None:
+                    x, h = add_rms_norm(o, w["norm2"], EPS, residual=h)
+                    gu = F.linear(x, w["gate_up"])
+                else:  # the residual add and the MLP's norm in the gate/up GEMV
+                    h, residual = torch.empty_like(h), h
+                    gu = skinny_rms_norm_linear(o, w["norm2"], EPS, w["gate_up"], residual=residual, h_out=h, config=gate_up)
             down = skinny_silu_mul_linear(gu[:, : self.inter], gu[:, self.inter :], w["down"], config=configs["down"])
         return skinny_linear(down, self.lm_head, config=configs["lm_head"])
 
@@ -395,10 +412,11 @@ def main() -> None:
     ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
     chain = Chain(args.shape, args.rows, args.layers, attention=args.attention, context=args.context)
     shapes = projection_shapes(args.shape)
-    defaults = {name: default_config(args.rows, n, k, silu_mul=PROJECTIONS[name][0], norm=PROJECTIONS[name][1])
-                for name, (n, k) in shapes.items()}  # fmt: skip
+    gemv_defaults = {name: default_config(args.rows, n, k, silu_mul=PROJECTIONS[name][0], norm=PROJECTIONS[name][1])
+                     for name, (n, k) in shapes.items()}  # fmt: skip
+    defaults = dict(gemv_defaults, gate_up=None)  # gate/up on cuBLAS, as the model's batch-1 step runs it
     variants: list[tuple[str, dict]] = [("default", {}),
-                                        ("unpipelined", {n: dict(c, num_stages=1) for n, c in defaults.items()})]  # fmt: skip
+                                        ("unpipelined", {n: dict(c, num_stages=1) for n, c in defaults.items() if c})]  # fmt: skip
     if args.fuse_o:
         if not args.attention or args.rows != 1:
             p.error("--fuse-o needs --attention and --rows 1")
@@ -417,7 +435,11 @@ def main() -> None:
             decode[keys[key][0]] = keys[key][1](value)
         variants.append((f"decode {spec}", {"decode": decode}))
     for name in [s for s in args.sweep.split(",") if s]:
-        variants += sweep(defaults[name], name, args.rows, *shapes[name], ints(args.block_n), ints(args.block_k),
+        if name not in shapes:
+            p.error(f"--sweep: {name!r} is none of {', '.join(shapes)}")
+        if name == "gate_up":  # the GEMV at default_config's tile, then the grid around it
+            variants.append(("gate_up GEMV", {"gate_up": gemv_defaults[name]}))
+        variants += sweep(gemv_defaults[name], name, args.rows, *shapes[name], ints(args.block_n), ints(args.block_k),
                           ints(args.stages), ints(args.preload))  # fmt: skip
     bw = copy_bandwidth()
     floor_ms = chain.weight_bytes / bw * 1e3
@@ -470,7 +492,7 @@ def main() -> None:
     for name in shapes:
         own = [r for r in rows if r["variant"] == "default" or r["variant"].startswith(name + " ")]
         winner = min(own, key=lambda r: r["ms"])
-        best[name] = dict(winner["configs"][name], ms=winner["ms"])
+        best[name] = dict(winner["configs"][name] or {"cuBLAS": 1}, ms=winner["ms"])
     print("\nbest per projection:", json.dumps(best))
     result = result_header("bench_gemv_chain.py", shape=args.shape, rows=args.rows, layers=chain.layers,
                            attention=args.attention, context=args.context if args.attention else None,
@@ -482,6 +504,8 @@ def main() -> None:
     if args.table_out:  # {"plain" | "silu" | "norm": {"ROWS,N,K": config}}
         table: dict[str, dict] = {}
         for name, (n, k) in shapes.items():
+            if "cuBLAS" in best[name]:
+                continue
             kind = "silu" if PROJECTIONS[name][0] else "norm" if PROJECTIONS[name][1] else "plain"
             table.setdefault(kind, {})[f"{rows_padded(args.rows)},{n},{k}"] = {key: v for key, v in best[name].items() if key != "ms"}
         with open(args.table_out, "w") as f:

@@ -90,7 +90,7 @@ def _attention_reference(q, keys, values, group: int):
     return torch.einsum("hk,khd->hd", scores.softmax(-1), values.repeat_interleave(group, 1))
 
 
-def test_chain_with_attention_runs_a_decode_layer():
+def test_chain_with_attention_runs_a_decode_layer(monkeypatch):
     """`bench_gemv_chain.Chain` with ``attention`` (the interpreter on the CPU, or CUDA):
 
     * one layer's RoPE + decode attention (`Chain._attend`, 71 keys: two splits merged in the
@@ -160,6 +160,18 @@ def test_chain_with_attention_runs_a_decode_layer():
         fused = chain.run({**defaults, "fuse_o": fuse}).float()
         assert (fused - got).norm() / got.norm() < 1e-2, fuse
     assert not chain.sync.any()
+    # gate/up on the GEMV with the residual add and the MLP's norm folded, instead of cuBLAS
+    # after the add + norm kernel: the same step within rounding
+    from attngraph.skinny_linear import default_config
+
+    n, k = bench_gemv_chain.projection_shapes("tiny")["gate_up"]
+    normed_gemvs = []
+    plain = bench_gemv_chain.skinny_rms_norm_linear
+    monkeypatch.setattr(bench_gemv_chain, "skinny_rms_norm_linear", lambda *a, **kw: normed_gemvs.append(a[3]) or plain(*a, **kw))
+    gemv = chain.run({**defaults, "gate_up": default_config(1, n, k, norm=True)}).float()
+    assert [t.shape for t in normed_gemvs] == [chain.w[0]["qkv"].shape, chain.w[0]["gate_up"].shape] * chain.layers
+    assert all(t is layer["gate_up"] for t, layer in zip(normed_gemvs[1::2], chain.w))
+    assert (gemv - got).norm() / got.norm() < 1e-2
 
 
 def test_decode_step_timing_alternates_lengths_and_counts_collections(monkeypatch):
