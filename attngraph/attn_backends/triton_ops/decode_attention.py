@@ -178,8 +178,9 @@ def _merge_stored_splits(m, l, acc, pl_ptrs, po_ptrs, stride_pos, num_splits, ma
     read past L1 (other programs wrote them). The loop body is unrolled ``MERGE_CHUNK`` times:
     each split's tile is loaded and merged on its own (2-D, as `_merge_split`), and the loads
     of a chunk do not wait on each other's merges, so they are in flight together. (Loading a
-    chunk as one ``[MERGE_CHUNK, BLOCK_H, BLOCK_DV]`` tile and reducing over its first axis cost
-    3.7 us for 3 splits against 1.0 us one split at a time: the reduction crosses warps.)
+    chunk as one ``[MERGE_CHUNK, BLOCK_H, BLOCK_DV]`` tile and reducing over its first axis, a
+    sum through shared memory, cost 3.8 us for 3 splits in chunks of 8 against 1.0 us one split
+    at a time, on an H100.)
     ``pl_ptrs: [BLOCK_H]`` and ``po_ptrs: [BLOCK_H, BLOCK_DV]`` point at split 0's LSE and
     output, splits 1 and ``stride_pos`` apart; ``mask_h``, ``mask_o`` their valid lanes."""
     for s0 in range(0, num_splits, MERGE_CHUNK):
