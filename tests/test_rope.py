@@ -182,7 +182,7 @@ def test_kernels_compile_for_hopper_without_spills():
     decode = dict(GROUP=4, PAGE_SIZE=16, HEAD_DIM=64, V_HEAD_DIM=64, BLOCK_H=16, BLOCK_N=64, BLOCK_D=64, BLOCK_DV=64,
                   HAS_CAP=False, UPCAST=False, PRECISION="tf32", HAS_ALIBI=False, HEAD_BLOCKS=1, BLOCK_DT=16,
                   HAS_TAIL=False, NEW_KV=True, MERGE=True, HAS_SINKS=False, USE_PDL=True, PREFETCH=True, ROPE=True,
-                  SOFT_BF16=False, MERGE_CHUNK=8, TRACE=False)  # fmt: skip
+                  SOFT_BF16=False, MERGE_CHUNK=4, TRACE=False)  # fmt: skip
     strides = ["stride_qb", "stride_qh", "stride_ks", "stride_kh", "stride_vs", "stride_vh", "stride_rtp", "stride_knb",
                "stride_vnb", "stride_ob", "stride_oh", "stride_rcb", "stride_rsb"]  # fmt: skip
     rope_types = {**{p: "*bf16" for p in ("Q", "K", "Cos", "Sin", "QO", "KO")}}

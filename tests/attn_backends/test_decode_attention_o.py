@@ -183,7 +183,7 @@ def test_compiles_for_hopper_without_spills():
              "PartLse": "*fp32", "ReqToPage": "*i32", "ReqIdx": "*i32", "SeqLens": "*i32", "Counters": "*i32",
              "Sync": "*i32", "NewLoc": "*i64", "scale": "fp32"}  # fmt: skip
     const = dict(GROUP=4, HKV=8, PAGE_SIZE=16, HEAD_DIM=64, BLOCK_H=16, BLOCK_N=64, UPCAST=False, PRECISION="tf32",
-                 USE_PDL=True, MERGE_CHUNK=8, KW=2048, BLOCK_O=4, HAS_BIAS=False, SOFT_BF16=False, MAX_SPINS=1 << 22)  # fmt: skip
+                 USE_PDL=True, MERGE_CHUNK=4, KW=2048, BLOCK_O=4, HAS_BIAS=False, SOFT_BF16=False, MAX_SPINS=1 << 22)  # fmt: skip
     strides = ["stride_qh", "stride_ks", "stride_kh", "stride_vs", "stride_vh", "stride_rtp", "stride_knh", "stride_vnh",
                "stride_wn", "N"]  # fmt: skip
     kernel = "attngraph.attn_backends.triton_ops.decode_attention_o:_decode_attention_o_kernel"
