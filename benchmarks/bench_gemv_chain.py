@@ -83,8 +83,9 @@ SHAPES = {"1b": (2048, 8192, 3072, 128256, 16), "8b": (4096, 14336, 6144, 128256
 HEADS = {"1b": (32, 8, 64), "8b": (32, 8, 128), "tiny": (4, 2, 16)}
 PAGE_SIZE = 16
 EPS = 1e-5
-#: the chain's GEMVs: name -> (what default_config is asked for: silu_mul, norm)
-#: name -> (SiLU-mul input, RMSNorm folded) of the chain's projections. ``gate_up`` runs on cuBLAS
+#: `--decode` values allowed: a merge chunk is unrolled in the kernel, so it stays small
+MAX_SPEC = {"min_split": 1 << 20, "merge_chunk": 64}
+#: the chain's GEMVs: name -> (what default_config is asked for: silu_mul, norm). ``gate_up`` runs on cuBLAS
 #: unless a variant gives it a GEMV configuration (then with the MLP's norm folded, as the model
 #: runs it when its weight is under `linear_ops.KERNEL_MAX_WEIGHT_ONE_ROW`).
 PROJECTIONS = {"qkv": (False, True), "o": (False, False), "gate_up": (False, True), "down": (True, False),
@@ -407,6 +408,23 @@ def main() -> None:
     p.add_argument("--table-out", default=None,
                    help="write the best configurations as a `bench_generate.py --gemv-table` JSON file")
     args = p.parse_args()
+    decode_specs = []  # checked before the GPU is needed
+    for spec in args.decode:
+        if not args.attention:
+            p.error("--decode needs --attention")
+        keys = {"min_split": ("min_split_len", int), "merge_chunk": ("merge_chunk", int), "merge": ("merge", lambda v: v != "0")}
+        decode = {}
+        for item in spec.split():
+            key, _, value = item.partition("=")
+            if key not in keys or not value:
+                p.error(f"--decode {spec!r}: {item!r} is none of min_split=N, merge_chunk=N, merge=0")
+            if key in MAX_SPEC and not (value.isdigit() and 1 <= int(value) <= MAX_SPEC[key]):
+                p.error(f"--decode {spec!r}: {key} takes a count from 1 to {MAX_SPEC[key]}")
+            decode[keys[key][0]] = keys[key][1](value)
+        decode_specs.append((spec, decode))
+    for name in [s for s in args.sweep.split(",") if s]:
+        if name not in PROJECTIONS:
+            p.error(f"--sweep: {name!r} is none of {', '.join(PROJECTIONS)}")
     if not torch.cuda.is_available():
         sys.exit("bench_gemv_chain.py needs a CUDA device")
     ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
@@ -423,20 +441,9 @@ def main() -> None:
         for splits, block_o, preload in ((None, 4, True), (8, 4, True), (8, 8, True), (8, 8, False)):
             label = f"fused attention + o, splits={splits or 'backend'} BLOCK_O={block_o}" + ("" if preload else " after wait")
             variants.append((label, {"fuse_o": dict(max_splits=splits, block_o=block_o, preload=preload)}))
-    for spec in args.decode:
-        if not args.attention:
-            p.error("--decode needs --attention")
-        keys = {"min_split": ("min_split_len", int), "merge_chunk": ("merge_chunk", int), "merge": ("merge", lambda v: v != "0")}
-        decode = {}
-        for item in spec.split():
-            key, _, value = item.partition("=")
-            if key not in keys or not value:
-                p.error(f"--decode {spec!r}: {item!r} is none of min_split=N, merge_chunk=N, merge=0")
-            decode[keys[key][0]] = keys[key][1](value)
+    for spec, decode in decode_specs:
         variants.append((f"decode {spec}", {"decode": decode}))
     for name in [s for s in args.sweep.split(",") if s]:
-        if name not in shapes:
-            p.error(f"--sweep: {name!r} is none of {', '.join(shapes)}")
         if name == "gate_up":  # the GEMV at default_config's tile, then the grid around it
             variants.append(("gate_up GEMV", {"gate_up": gemv_defaults[name]}))
         variants += sweep(gemv_defaults[name], name, args.rows, *shapes[name], ints(args.block_n), ints(args.block_k),

@@ -390,8 +390,9 @@ def main() -> None:
     if bad := [v for v in args.decode_block_n.split(",") if v != "default" and not (v.isdigit() and int(v) >= 16
                                                                                    and int(v) & (int(v) - 1) == 0)]:
         p.error(f"--decode-block-n takes 'default' or powers of two >= 16; got {', '.join(bad)}")
-    if bad := [v for v in args.decode_merge_chunk.split(",") if v != "default" and not (v.isdigit() and int(v) >= 1)]:
-        p.error(f"--decode-merge-chunk takes 'default' or split counts >= 1; got {', '.join(bad)}")
+    if bad := [v for v in args.decode_merge_chunk.split(",") if v != "default" and not (v.isdigit() and 1 <= int(v) <= 64)]:
+        # the kernel unrolls its merge loop this many times
+        p.error(f"--decode-merge-chunk takes 'default' or split counts from 1 to 64; got {', '.join(bad)}")
     if bad := [v for v in args.decode_min_split.split(",") if v != "default" and not (v.isdigit() and int(v) >= 1)]:
         p.error(f"--decode-min-split takes 'default' or key counts >= 1; got {', '.join(bad)}")
     if bad := [v for v in args.gemv_table.split(",") if v not in ("tuned", "unpipelined") and not os.path.isfile(v)]:

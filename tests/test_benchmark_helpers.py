@@ -285,3 +285,23 @@ def test_variant_rows_name_switches_and_default_the_rest():
             bench_generate.variant_rows(argparse.Namespace(**flags, variant=[bad]), error)
     with pytest.raises(Refused, match="names fold-rope twice"):
         bench_generate.variant_rows(argparse.Namespace(**flags, variant=["fold-rope=on fold-rope=off"]), error)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["bench_gemv_chain.py", "--attention", "--decode", "merge_chunk=0"], "merge_chunk takes a count from 1 to 64"),
+    (["bench_gemv_chain.py", "--attention", "--decode", "merge_chunk=500"], "merge_chunk takes a count from 1 to 64"),
+    (["bench_gemv_chain.py", "--attention", "--decode", "min_split=x"], "min_split takes a count"),
+    (["bench_gemv_chain.py", "--decode", "merge_chunk=2"], "--decode needs --attention"),
+    (["bench_gemv_chain.py", "--sweep", "gate,o"], "'gate' is none of qkv, o, gate_up, down, lm_head"),
+    (["bench_generate.py", "--decode-merge-chunk", "0"], "from 1 to 64; got 0"),
+    (["bench_generate.py", "--decode-merge-chunk", "default,65"], "from 1 to 64; got 65"),
+])  # fmt: skip
+def test_bench_switches_refuse_bad_values_before_the_gpu(argv, message, monkeypatch, capsys):
+    """A bad merge chunk, split length or projection name stops the benchmark with an error
+    naming the allowed values, before it asks for a GPU (this machine has none)."""
+    module = bench_module(argv[0].removesuffix(".py"))
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as stop:
+        module.main()
+    assert stop.value.code == 2  # argparse's error, not the missing-GPU exit
+    assert message in capsys.readouterr().err

@@ -185,11 +185,13 @@ def _merge_stored_splits(m, l, acc, pl_ptrs, po_ptrs, stride_pos, num_splits, ma
     output, splits 1 and ``stride_pos`` apart; ``mask_h``, ``mask_o`` their valid lanes."""
     for s0 in range(0, num_splits, MERGE_CHUNK):
         for i in tl.static_range(MERGE_CHUNK):
-            # [BLOCK_H]: lanes of a valid head of an existing split (the chunk's first split exists)
-            ok_h = tl.where(mask_h, s0 + i, num_splits) < num_splits
-            lse = tl.load(pl_ptrs + (s0 + i), mask=ok_h, other=0.0, cache_modifier=".cg")
-            lse = tl.where(s0 + i < num_splits, lse, float("-inf"))  # [BLOCK_H]
-            o = tl.load(po_ptrs + (s0 + i) * stride_pos, mask=mask_o & ok_h[:, None], other=0.0, cache_modifier=".cg")
+            sid = s0 + i  # the chunk's first split exists
+            # [BLOCK_H]: lanes of a valid head of an existing split (a tensor: the interpreter
+            # refuses a mask of a tensor and a scalar condition)
+            ok_h = tl.where(mask_h, sid, num_splits) < num_splits
+            lse = tl.load(pl_ptrs + sid, mask=ok_h, other=0.0, cache_modifier=".cg")
+            lse = tl.where(sid < num_splits, lse, float("-inf"))  # [BLOCK_H]
+            o = tl.load(po_ptrs + sid * stride_pos, mask=mask_o & ok_h[:, None], other=0.0, cache_modifier=".cg")
             m, l, acc = _merge_split(m, l, acc, lse, o)
     return m, l, acc
 
