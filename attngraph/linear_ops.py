@@ -51,9 +51,12 @@ KERNEL_MAX_WEIGHT = 1 << 24
 #: cuBLAS on Llama-3.1-8B's down projection as well (4096 x 14336: 35.8 against 38.5 us).
 KERNEL_MAX_SILU_MUL_WEIGHT = 1 << 26
 #: At one row the GEMV wins on larger weights: Llama-3.1-8B's q/k/v (6144 x 4096 = 3 * 2**23
-#: elements: 14.9 against 17.1 us) and o (10.9 against 12.4); the 1B gate/up (2**25) and the 8B
-#: gate/up stayed cuBLAS's (18.8 against 20.5, 59.3 against 60.2 us).
-KERNEL_MAX_WEIGHT_ONE_ROW = 3 << 23
+#: elements: 14.9 against 17.1 us) and o (10.9 against 12.4), and the 1B gate/up (2**25) with
+#: the residual add and the MLP's norm folded in and its own tile (`skinny_linear.TUNED_NORM`;
+#: H100, one 1B decode step: 1.091 against 1.139 ms, 108 against 124 kernels). Alone, with the
+#: heuristic's tile, it had lost (cuBLAS 18.8 us against its 20.5, H200). The 8B gate/up stays
+#: cuBLAS's (59.3 against 60.2 us).
+KERNEL_MAX_WEIGHT_ONE_ROW = 1 << 25
 #: ... and on output heads (``N >= KERNEL_MIN_HEAD_RATIO * K``, vocabulary projections) of any
 #: size: the LM heads 128256 x 2048 and x 4096 took 125.6 and 246.9 us against cuBLAS's 135.1
 #: and 276.0 (their weight-read floors: 123.1 and 246.2).

@@ -107,6 +107,12 @@ TUNED_NORM: dict[tuple[int, int, int], dict[str, int]] = {
     # decode step: 1.163 against 1.170 ms (bench_generate.py --interleave --variant
     # gemv-table=benchmarks/gemv_tables/qkv_after_wait.json), 0.8% of a chain of 1B layers
     (1, 3072, 2048): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1, SPLIT_K=1, PRELOAD=0),
+    # the 1B gate/up of one row (the residual add and the MLP's norm folded in): the heuristic's
+    # 16 x 512 tile (144 registers, 3 programs per SM) tied cuBLAS; 8 x 1024 (124 registers, 4
+    # programs per SM, half the K iterations) beat it (sm_90 compile, no spills). H100, a
+    # chain of 1B layers: 0.967 of cuBLAS's (`bench_gemv_chain.py --attention --sweep gate_up`);
+    # one 1B decode step: 1.091 against 1.139 ms (`bench_generate.py --interleave`)
+    (1, 16384, 2048): dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=1, SPLIT_K=1),
 }
 
 _CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K")
