@@ -159,14 +159,15 @@ class CompileConfig:
         ``benchmarks/results/generate_rope_linear_norm_epilogue_h200_2026-12-05.json``).
     fold_norm_epilogue:
         With `fold_rms_norm` (required): where the projection after a residual add + RMSNorm
-        never runs the GEMV (Llama-3.2-1B's fused gate/up, on cuBLAS) and the projection
+        never runs the GEMV (Llama-3.1-8B's fused gate/up, on cuBLAS) and the projection
         before it may (the output projection), the add and the norm move into the latter's
         epilogue (`passes.fold_norm_epilogue`): a decode step's GEMV writes the residual sum
         and, in its last program, the normed rows, so the norm spends no launch of its own.
         Other row counts run the projection and one norm launch, as before. Off by default: on
-        an H200 the 1B-shaped batch-1 step ran 16 kernels fewer but slower (0.999 against 0.948
-        ms): behind the GEMV under programmatic dependent launch the norm kernel cost 0.56 us a
-        layer, the epilogue's serial tail 0.84 (``--norm-epilogue on,off``, same results file).
+        an H200 the 1B-shaped batch-1 step (its gate/up then on cuBLAS) ran 16 kernels fewer
+        but slower (0.999 against 0.948 ms): behind the GEMV under programmatic dependent
+        launch the norm kernel cost 0.56 us a layer, the epilogue's serial tail 0.84
+        (``--norm-epilogue on,off``, same results file).
     fuse_attention_o:
         Paged runtime: each attention op whose output reaches only the output projection
         (through HF's reshapes) and that projection become one op, ``attngraph.attention_o``

@@ -77,8 +77,8 @@ DOT_MAX_WEIGHT = 1 << 26
 #: re-reading all 16 rows; both with the prefetch and the RoPE fold on;
 #: ``benchmarks/bench_generate.py --dot-fold-norm on``,
 #: ``results/generate_switches_h200_2026-12-05.json``). With `DOT_MIN_ROWS` at 1 the kernel
-#: also takes the one- and two-row projections the GEMV leaves to cuBLAS (the 1B gate/up):
-#: slower too (batch 1: 1.249 against 1.053 ms).
+#: also takes the one- and two-row projections the GEMV leaves to cuBLAS (then the 1B gate/up
+#: of one row too): slower too (batch 1: 1.249 against 1.053 ms).
 DOT_FOLD_NORM = False
 
 #: What the rows of an op's input are, as `passes.skinny_linears` proved it from the symbolic

@@ -3,7 +3,7 @@ fold into its loads move back into the epilogue of the projection before them.
 
 After `fold_rms_norm` a decoder layer's MLP input is ``add_rms_norm_linear(residual, o, norm,
 eps, w_gate_up)`` with ``o = linear(attn, w_o)``. Where the GEMV serves ``w_gate_up`` the norm
-runs in its loads; where it does not (Llama-3.2-1B's fused gate/up, 16384 x 2048, is cuBLAS's
+runs in its loads; where it does not (Llama-3.1-8B's fused gate/up, 28672 x 4096, is cuBLAS's
 at every row count) the op spends a launch on the norm alone, between the output projection's
 GEMV and cuBLAS. This pass rewrites the pair to::
 
