@@ -108,6 +108,39 @@ def test_norm_rounds_like_hf(device):
     assert ((y.float() - want.float()).abs() <= 2 * ROUND[torch.bfloat16] * want.float().abs()).all()
 
 
+MEASURED = [(table, key) for table in ("TUNED", "TUNED_NORM", "TUNED_SILU_MUL") for key in getattr(sl, table)]
+
+
+@pytest.mark.parametrize("table, key", MEASURED, ids=lambda v: v if isinstance(v, str) else "x".join(map(str, v)))
+def test_every_measured_config_runs_at_its_shape(device, table, key):
+    """Each measured tile (`skinny_linear.TUNED`, `TUNED_NORM`, `TUNED_SILU_MUL`), as the ops
+    pick it, at its own row count and K; N cut to two column blocks and a tail (the tile does
+    not depend on N past that). The norm's residual sum must be bit-equal."""
+    rows, n_full, k = key
+    n = 2 * getattr(sl, table)[key]["BLOCK_N"] + 3
+    dtype = torch.bfloat16
+    if table == "TUNED_SILU_MUL":
+        cfg = sl.default_config(rows, n_full, k, silu_mul=True)
+        gen = torch.Generator().manual_seed(rows + k)
+        a, b = (rand(gen, rows, k, dtype=dtype, device=device, scale=2.0) for _ in range(2))
+        w = rand(gen, n, k, dtype=dtype, device=device, scale=k**-0.5)
+        product = linear_ops.silu_mul(a, b)
+        assert_close_to_reference(sl.skinny_silu_mul_linear(a, b, w, config=cfg), product, w, None)
+    elif table == "TUNED_NORM":
+        cfg = sl.default_config(rows, n_full, k, norm=True)
+        x, r, nw, w, bias = make_norm(rows + k, rows, n, k, dtype, device, bias=True)
+        h = torch.empty(rows, k, dtype=dtype, device=device)
+        y = sl.skinny_rms_norm_linear(x, nw, 1e-5, w, bias, residual=r, h_out=h, config=cfg)
+        assert torch.equal(h, x + r)
+        normed = hf_norm(x + r, nw, 1e-5)
+        assert_close_to_reference(y, normed, w, bias, norm_slack(normed, w))
+    else:
+        cfg = sl.default_config(rows, n_full, k)
+        x, _, _, w, bias = make_norm(rows + k, rows, n, k, dtype, device, bias=True)
+        assert_close_to_reference(sl.skinny_linear(x, w, bias, config=cfg), x, w, bias)
+    assert cfg == getattr(sl, table)[key]
+
+
 def test_norm_launcher_refusals(device):
     x, r, nw, w, _ = make_norm(4, 2, 8, 16, torch.bfloat16, device)
     with pytest.raises(InputError, match="residual must match"):
