@@ -14,6 +14,7 @@ from .errors import (
     CaptureError,
     ConfigError,
     InputError,
+    KernelFaultError,
     KVCacheFullError,
     UnsupportedGenerationError,
     UnsupportedModelError,
@@ -41,6 +42,7 @@ __all__ = [
     "CompileConfig",
     "ConfigError",
     "InputError",
+    "KernelFaultError",
     "KVCacheFullError",
     "UnsupportedModelError",
 ]

@@ -34,5 +34,10 @@ class KVCacheFullError(AttnGraphError):
     """The paged KV pool has too few free pages; raised before anything is written."""
 
 
+class KernelFaultError(AttnGraphError):
+    """A kernel reported a fault during the call that just ended (a wait that gave up): that
+    call's outputs may be wrong, and so may later ones of the same accelerated model."""
+
+
 class CaptureError(AttnGraphError):
     """CUDA graph capture failed or a replay found its inputs moved."""

@@ -246,6 +246,11 @@ class AttentionBackend:
     def set_layer_kinds(self, layers: "list[AttentionLayer]") -> None:
         """The model's attention layers, known once the model is traced (for per-kind planning)."""
 
+    def kernel_faults(self) -> str | None:
+        """What this backend's kernels have reported as faults since it was made (a counter
+        read from the device, so a sync where there is one to read), or None."""
+        return None
+
     # ------------------------------------------------------------------ compute
     def forward(
         self,

@@ -123,6 +123,10 @@ class HybridBackend(AttentionBackend):
             if hasattr(child, "set_layer_kinds"):
                 child.set_layer_kinds(layers)
 
+    def kernel_faults(self) -> str | None:
+        faults = [f for child in (self.prefill_backend, self.decode_backend) if (f := child.kernel_faults())]
+        return "; ".join(faults) or None
+
     # ------------------------------------------------------------------ compute
     def forward(
         self,

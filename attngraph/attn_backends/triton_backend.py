@@ -392,6 +392,19 @@ class TritonBackend(AttentionBackend):
             self._eager_o_sync[key] = new_sync(device)
         return self._eager_o_sync[key]
 
+    def kernel_faults(self) -> str | None:
+        """Projection programs of `decode_attention_o` that stopped waiting for their attention
+        (``sync[3]`` of every layer's counters; they are never reset): their outputs, and the
+        logits after them, are wrong. None where the fused kernel never had counters made."""
+        from .triton_ops.decode_attention_o import SYNC_SLOTS
+
+        syncs = ([self._graph_o_sync] if self._graph_o_sync is not None else []) + list(self._eager_o_sync.values())
+        gave_up = sum(int(s.view(-1, SYNC_SLOTS)[:, 3].sum()) for s in syncs)  # a device read: syncs the stream
+        if not gave_up:
+            return None
+        return (f"decode_attention_o: {gave_up} projection programs stopped waiting for the attention of their layer "
+                f"(triton_ops.decode_attention_o.MAX_SPINS polls)")  # fmt: skip
+
     def set_decode_prefetch(self, source: "Callable[[int], tuple[torch.Tensor, int] | None] | None") -> None:
         """Before each decode attention launch of layer ``i``, ask L2 for ``source(i)``:
         ``(tensor, bytes)``, the first ``bytes`` of memory from ``tensor``'s start

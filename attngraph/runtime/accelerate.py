@@ -264,7 +264,11 @@ def _generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
                 # HF's assisted loop for what that one does not reproduce (sampling, processors).
                 loop = {"custom_generate": paged_lookup_decode, "attngraph_streamer": kwargs.get("streamer")}
             kwargs = _without_cache_implementation(model, kwargs)
-            return state.original_generate(*args, **{state.cache_kwarg: cache}, **loop, **kwargs)
+            out = state.original_generate(*args, **{state.cache_kwarg: cache}, **loop, **kwargs)
+            state.runner.check_kernel_faults()  # a read from the device only where a kernel keeps a fault count
+            if assistant is not None and getattr(assistant, _STATE_ATTR, None) is not None:
+                state_of(assistant).runner.check_kernel_faults()
+            return out
         except _RECOMPILE_LIMIT_HIT as exc:
             raise UnsupportedModelError(
                 "the accelerated model's graph was recompiled more often than Dynamo allows "

@@ -12,7 +12,7 @@ import torch
 from ..attn_backends.base import AttentionBackend, GraphSupport, ModelAttentionSpec
 from ..attn_backends.torch_native import TorchNativeBackend
 from ..config import CompileConfig
-from ..errors import ConfigError, InputError, UnsupportedModelError
+from ..errors import ConfigError, InputError, KernelFaultError, UnsupportedModelError
 from ..passes.site import AttentionSite
 from ..forward_batch import ForwardBatch
 from ..forward_context import ForwardContext, use_forward_context
@@ -503,6 +503,18 @@ class ModelRunner:
     @property
     def num_compilations(self) -> int:
         return self.ragged.num_compilations
+
+    def check_kernel_faults(self) -> None:
+        """Raise `KernelFaultError` where an attention backend's kernels reported a fault
+        (`AttentionBackend.kernel_faults`); the runtime checks after each ``generate``."""
+        backends = [b for b in (self.backend, self.verify_backend) if b is not None]
+        faults = [f for i, b in enumerate(backends) if b not in backends[:i] and (f := b.kernel_faults())]
+        if faults:
+            raise KernelFaultError(
+                f"{'; '.join(faults)}. The outputs of the call that just ended may be wrong, and so may those of "
+                "every later call of this model: call attngraph.restore(model), then attngraph.accelerate(model, ...) "
+                "again with fuse_attention_o=False, and report the GPU, the driver and the model."
+            )
 
     def release(self) -> None:
         """Free the KV pool, the CUDA graphs and the backend now. Dynamo's caches keep the

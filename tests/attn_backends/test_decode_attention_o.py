@@ -115,6 +115,24 @@ def test_without_bias_and_blocks_past_the_weight():
     assert torch.allclose(y[0].double(), attn.double() @ s["w"].double().T, atol=1e-2, rtol=2**-7)
 
 
+def test_a_wait_that_gives_up_is_counted_and_the_launch_still_ends():
+    """A merged-group count that never reaches the KV heads (``sync[1]`` set far below zero, as
+    a lost release would leave it): every projection program gives up its wait after
+    ``MAX_SPINS`` polls and adds itself to ``sync[3]`` (24 rows in blocks of 8: 3 programs),
+    which stays; the launch's other counters come back to zero, and the attention output is
+    still right."""
+    if DEVICE == "cuda":
+        pytest.skip("polls 2**22 times on a GPU; the interpreter polls 100 times")
+    s = make(11, 60)
+    splits = splits_for(2)
+    want_attn, _, _ = attention_first(s, splits, -1)
+    sync = new_sync(DEVICE)
+    sync[1] = -(1 << 20)
+    _, attn = fused(s, splits, -1, sync, torch.zeros(8, dtype=torch.int32, device=DEVICE), block_o=8)
+    assert torch.equal(attn.view(want_attn.shape), want_attn)
+    assert sync.tolist() == [0, 0, 0, 3]
+
+
 def test_refusals():
     s = make(3, 30)
     kw = dict(page_size=PAGE, scale=0.25, max_splits=4, k_new=s["k_new"], v_new=s["v_new"], new_loc=s["new_loc"],

@@ -98,3 +98,36 @@ def test_generate_with_the_fusion_equals_hf(interpreted, one_thread):
         assert torch.equal(model.generate(ids, max_new_tokens=5, **GREEDY), want)
         fused = len(interpreted) - before
         assert fused == (4 * model.config.num_hidden_layers if batch == 1 else 0), fused
+
+
+def test_a_kernel_fault_fails_the_generate_that_saw_it(interpreted, one_thread):
+    """Projection programs of the fused kernel that stop waiting for their attention (every
+    layer's merged-group count set far below zero, as a lost release would leave it) make the
+    generate that ran them raise `KernelFaultError`, saying what to do, with its pages back in
+    the pool; the count stays, so the next one raises too. Accelerated again without the
+    fusion, the model generates HF's tokens."""
+    from attngraph import KernelFaultError
+    from attngraph.runtime.accelerate import state_of
+
+    model = build_model("llama", "sdpa", seed=7)
+    reference = copy.deepcopy(model)
+    options = dict(attention_backend="triton", page_size=4, kv_cache_tokens=128, max_context_len=64,
+                   skinny_linears=True, cuda_graph="none")  # fmt: skip
+    attngraph.accelerate(model, fuse_attention_o=True, **options)
+    ids = torch.randint(3, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        want = reference.generate(ids, max_new_tokens=4, **GREEDY)
+    assert torch.equal(model.generate(ids, max_new_tokens=4, **GREEDY), want)
+    runner = state_of(model).runner
+    assert runner.backend.kernel_faults() is None
+    syncs = list(getattr(runner.backend, "decode_backend", runner.backend)._eager_o_sync.values())
+    assert len(syncs) == model.config.num_hidden_layers
+    for sync in syncs:
+        sync[1] = -(1 << 20)
+    for _ in range(2):
+        with pytest.raises(KernelFaultError, match="stopped waiting.*fuse_attention_o=False"):
+            model.generate(ids, max_new_tokens=4, **GREEDY)
+        assert runner.pool.num_used_pages == 0 and runner.pool.num_active_requests == 0
+    attngraph.restore(model)
+    attngraph.accelerate(model, fuse_attention_o=False, **options)
+    assert torch.equal(model.generate(ids, max_new_tokens=4, **GREEDY), want)
