@@ -67,6 +67,11 @@ __all__ = [
 MAX_ROWS = 8
 #: SMs the heuristic plans for (an H200); the configuration does not depend on the device.
 NUM_SMS = 132
+#: The heuristic's ``BLOCK_K`` for one row where K is a multiple of it and the weight is no
+#: output head: the measured one-row winners below use it at 8 of those 9 shapes (all but the
+#: 8B q/k/v), with ``BLOCK_N`` then set by the heuristic's accumulator and wave rules. Two rows'
+#: winners were split between 512 and 1024, output heads' were 512 and 256: those keep 512.
+ONE_ROW_BLOCK_K = 1024
 #: Measured winners, ``(rows_padded, N, K) -> config`` (keys of `default_config`'s result),
 #: consulted before the heuristic. ``benchmarks/bench_skinny_gemm.py`` prints this literal.
 #: ``num_stages`` is 1 throughout (one weight chunk in flight per program, the loop these
@@ -416,7 +421,8 @@ def default_config(m: int, n: int, k: int, *, silu_mul: bool = False, norm: bool
     (``norm`` without an entry of its own: `TUNED`'s). Otherwise:
 
     * ``BLOCK_K``: 512 up to 4 rows, 256 for 8 (a thread's 16-byte vectors of bf16 along K),
-      no wider than ``k`` rounded up to a power of two (at least 64);
+      no wider than ``k`` rounded up to a power of two (at least 64); 1024 for one row where
+      ``k`` is a multiple of it and the weight no output head (`ONE_ROW_BLOCK_K`);
     * ``BLOCK_N``: the widest of 2-16 that keeps the fp32 accumulator
       (``ROWS x BLOCK_N x BLOCK_K``) at 64 values per thread over 4 warps, halved while the
       column blocks are fewer than 3 per SM (1B's 2048-column projections: 512 programs);
@@ -433,6 +439,8 @@ def default_config(m: int, n: int, k: int, *, silu_mul: bool = False, norm: bool
     if tuned is not None:
         return dict(tuned)
     block_k = 512 if rows <= 4 else 256
+    if rows == 1 and k % ONE_ROW_BLOCK_K == 0 and n < 16 * k:
+        block_k = ONE_ROW_BLOCK_K
     block_k = min(block_k, max(64, triton.next_power_of_2(max(int(k), 1))))
     num_warps = 4
     # accumulator values per thread: rows * BLOCK_N * BLOCK_K / (32 * num_warps) <= 64

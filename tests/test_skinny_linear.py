@@ -308,6 +308,23 @@ def test_default_config_properties(monkeypatch):
             assert sl.default_config(m, n, k, silu_mul=True) == c
 
 
+def test_heuristic_gives_the_measured_one_row_tiles(monkeypatch):
+    """Without the tables, the heuristic's tile (``BLOCK_N``, ``BLOCK_K``, warps) at one row is
+    the measured one at 8 of the 9 measured shapes that are no output head (all but the 8B
+    q/k/v, 6144 x 4096: 8 x 512 measured, 8 x 1024 given); that is what it offers the shapes of
+    other models."""
+    tables = {name: dict(getattr(sl, name)) for name in ("TUNED", "TUNED_NORM", "TUNED_SILU_MUL")}
+    for name in tables:
+        monkeypatch.setattr(sl, name, {})
+    tile = ("BLOCK_N", "BLOCK_K", "num_warps")
+    kinds = {"TUNED": {}, "TUNED_NORM": {"norm": True}, "TUNED_SILU_MUL": {"silu_mul": True}}
+    differ = [(name, key) for name, table in tables.items() for key, cfg in table.items()
+              if key[0] == 1 and key[1] < 16 * key[2]
+              and [sl.default_config(*key, **kinds[name])[t] for t in tile] != [cfg[t] for t in tile]]  # fmt: skip
+    measured = sum(key[0] == 1 and key[1] < 16 * key[2] for table in tables.values() for key in table)
+    assert measured >= 9 and differ == [("TUNED", (1, 6144, 4096))], differ
+
+
 def test_tuned_entries_win(monkeypatch):
     cfg = config(16, 256, 8, 3, split=2)
     monkeypatch.setitem(sl.TUNED, (4, 2048, 8192), cfg)
