@@ -439,7 +439,7 @@ def default_config(m: int, n: int, k: int, *, silu_mul: bool = False, norm: bool
     if tuned is not None:
         return dict(tuned)
     block_k = 512 if rows <= 4 else 256
-    if rows == 1 and k % ONE_ROW_BLOCK_K == 0 and n < 16 * k:
+    if rows == 1 and k % ONE_ROW_BLOCK_K == 0 and n < 16 * k:  # N >= 16 K: an output head (linear_ops)
         block_k = ONE_ROW_BLOCK_K
     block_k = min(block_k, max(64, triton.next_power_of_2(max(int(k), 1))))
     num_warps = 4

@@ -156,6 +156,7 @@ class TritonBackend(AttentionBackend):
         # decode_attention_o's counters, SYNC_SLOTS int32 per layer (zero between launches)
         self._graph_o_sync: torch.Tensor | None = None
         self._eager_o_sync: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._o_sync_handed_out = False  # a fused attention + projection launch took counters
         # Per-step state from init_forward_metadata_out_graph.
         self._step_batch: "ForwardBatch | None" = None
         self._step_max_extend_len = 0
@@ -383,6 +384,7 @@ class TritonBackend(AttentionBackend):
         eager one, made once and kept (a captured launch may hold its address)."""
         from .triton_ops.decode_attention_o import SYNC_SLOTS, new_sync
 
+        self._o_sync_handed_out = True
         lo, hi = layer_id * SYNC_SLOTS, (layer_id + 1) * SYNC_SLOTS
         buf = self._graph_o_sync
         if buf is not None and buf.device == device and buf.numel() >= hi:
@@ -395,9 +397,12 @@ class TritonBackend(AttentionBackend):
     def kernel_faults(self) -> str | None:
         """Projection programs of `decode_attention_o` that stopped waiting for their attention
         (``sync[3]`` of every layer's counters; they are never reset): their outputs, and the
-        logits after them, are wrong. None where the fused kernel never had counters made."""
+        logits after them, are wrong. None, without reading the device, where the fused kernel
+        never ran."""
         from .triton_ops.decode_attention_o import SYNC_SLOTS
 
+        if not self._o_sync_handed_out:
+            return None
         syncs = ([self._graph_o_sync] if self._graph_o_sync is not None else []) + list(self._eager_o_sync.values())
         gave_up = sum(int(s.view(-1, SYNC_SLOTS)[:, 3].sum()) for s in syncs)  # a device read: syncs the stream
         if not gave_up:
