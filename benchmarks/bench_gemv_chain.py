@@ -9,7 +9,7 @@ can lose in the step. This script captures one CUDA graph per variant of the cha
     for each of the layers (distinct weights):
         qkv  = skinny_rms_norm_linear(down, norm_w, eps, w_qkv, residual=h, h_out=h_new)  # GEMV
         o    = skinny_linear(qkv[:, :hidden], w_o)                                     # GEMV
-        gu   = F.linear(o, w_gate_up)                                                  # cuBLAS
+        gu   = F.linear(o, w_gate_up)                        # cuBLAS, or a GEMV (see below)
         down = skinny_silu_mul_linear(gu[:, :I], gu[:, I:], w_down)                    # GEMV
     logits = skinny_linear(down, w_lm_head)                                            # GEMV
 
@@ -30,10 +30,11 @@ each layer's decode attention and output projection in one launch
 ``--decode`` variants of the decode kernel (its shortest split, merge chunk, a second merging
 launch). A variant changes the
 configuration of one projection (``qkv``, ``o``, ``down``, ``lm_head``) and keeps the others at
-`default_config`'s; ``--sweep gate_up`` runs the gate/up product on the GEMV instead of cuBLAS,
-with the residual add and the MLP's norm folded into it (``skinny_rms_norm_linear``: one kernel
-fewer per layer, and both its edges under programmatic dependent launch), at `default_config`'s
-tile and the grid's; ``unpipelined`` runs every GEMV with ``num_stages = 1`` (one weight chunk in
+`default_config`'s. The gate/up product runs where the model's routing puts it
+(`gate_up_on_gemv`: the 1B one of one row on the GEMV, with the residual add and the MLP's norm
+folded into it, ``skinny_rms_norm_linear``; the 8B one on cuBLAS after the norm kernel);
+``--sweep gate_up`` times the other of the two as well, and the grid's tiles on the GEMV;
+``unpipelined`` runs every GEMV with ``num_stages = 1`` (one weight chunk in
 flight per program, the kernel's loop before it was pipelined). The graphs are replayed in
 interleaved rounds, so a drift of the clocks spreads over all variants alike; each row gives
 the median time per chain and its ratio to the weight-read floor at the copy bandwidth
@@ -86,10 +87,20 @@ EPS = 1e-5
 #: `--decode` values allowed: a merge chunk is unrolled in the kernel, so it stays small
 MAX_SPEC = {"min_split": 1 << 20, "merge_chunk": 64}
 #: the chain's GEMVs: name -> (what default_config is asked for: silu_mul, norm). ``gate_up`` runs on cuBLAS
-#: unless a variant gives it a GEMV configuration (then with the MLP's norm folded, as the model
-#: runs it when its weight is under `linear_ops.KERNEL_MAX_WEIGHT_ONE_ROW`).
+#: where its configuration is None (after the norm kernel), else on the GEMV with the MLP's norm
+#: folded, as the model runs it where `linear_ops` routes it there (`gate_up_on_gemv`).
 PROJECTIONS = {"qkv": (False, True), "o": (False, False), "gate_up": (False, True), "down": (True, False),
                "lm_head": (False, False)}  # fmt: skip
+
+
+def gate_up_on_gemv(rows: int, n: int, k: int) -> bool:
+    """Whether the model's ops run ``rows`` rows of the ``[n, k]`` gate/up weight on the GEMV
+    (`linear_ops`' limits at one row and at up to `KERNEL_MAX_ROWS`), else cuBLAS."""
+    from attngraph import linear_ops
+
+    if rows == 1 and n * k <= linear_ops.KERNEL_MAX_WEIGHT_ONE_ROW:
+        return True
+    return rows <= linear_ops.KERNEL_MAX_ROWS and n * k <= linear_ops.KERNEL_MAX_WEIGHT
 
 
 def projection_shapes(shape: str) -> dict[str, tuple[int, int]]:
@@ -432,7 +443,8 @@ def main() -> None:
     shapes = projection_shapes(args.shape)
     gemv_defaults = {name: default_config(args.rows, n, k, silu_mul=PROJECTIONS[name][0], norm=PROJECTIONS[name][1])
                      for name, (n, k) in shapes.items()}  # fmt: skip
-    defaults = dict(gemv_defaults, gate_up=None)  # gate/up on cuBLAS, as the model's batch-1 step runs it
+    on_gemv = gate_up_on_gemv(args.rows, *shapes["gate_up"])
+    defaults = dict(gemv_defaults, gate_up=gemv_defaults["gate_up"] if on_gemv else None)  # as the model routes it
     variants: list[tuple[str, dict]] = [("default", {}),
                                         ("unpipelined", {n: dict(c, num_stages=1) for n, c in defaults.items() if c})]  # fmt: skip
     if args.fuse_o:
@@ -444,8 +456,8 @@ def main() -> None:
     for spec, decode in decode_specs:
         variants.append((f"decode {spec}", {"decode": decode}))
     for name in [s for s in args.sweep.split(",") if s]:
-        if name == "gate_up":  # the GEMV at default_config's tile, then the grid around it
-            variants.append(("gate_up GEMV", {"gate_up": gemv_defaults[name]}))
+        if name == "gate_up":  # the other of cuBLAS and the GEMV at default_config's tile, then the grid
+            variants.append(("gate_up cuBLAS", {"gate_up": None}) if on_gemv else ("gate_up GEMV", {"gate_up": gemv_defaults[name]}))
         variants += sweep(gemv_defaults[name], name, args.rows, *shapes[name], ints(args.block_n), ints(args.block_k),
                           ints(args.stages), ints(args.preload))  # fmt: skip
     bw = copy_bandwidth()
@@ -508,15 +520,28 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
-    if args.table_out:  # {"plain" | "silu" | "norm": {"ROWS,N,K": config}}
-        table: dict[str, dict] = {}
-        for name, (n, k) in shapes.items():
-            if "cuBLAS" in best[name]:
-                continue
-            kind = "silu" if PROJECTIONS[name][0] else "norm" if PROJECTIONS[name][1] else "plain"
-            table.setdefault(kind, {})[f"{rows_padded(args.rows)},{n},{k}"] = {key: v for key, v in best[name].items() if key != "ms"}
+    if args.table_out:
+        table = gemv_table(rows, shapes, args.rows)
+        slower = [name for name in shapes if "cuBLAS" in best[name] and any(r["configs"].get(name) for r in rows)]
+        if slower:
+            print(f"--table-out: cuBLAS was faster for {', '.join(slower)}; the table holds the best GEMV tile anyway")
         with open(args.table_out, "w") as f:
             json.dump(table, f, indent=1)
+
+
+def gemv_table(rows: list[dict], shapes: dict[str, tuple[int, int]], m: int) -> dict[str, dict]:
+    """``{"plain" | "silu" | "norm": {"ROWS,N,K": config}}`` (a `bench_generate.py --gemv-table`
+    file): per projection, the tile of its fastest variant that ran it on the GEMV (its own
+    sweep's, or the default's), even where cuBLAS was faster: whether the GEMV serves a shape
+    is the step's routing limits' to say, the table only gives its tile there."""
+    table: dict[str, dict] = {}
+    for name, (n, k) in shapes.items():
+        own = [r for r in rows if (r["variant"] == "default" or r["variant"].startswith(name + " ")) and r["configs"].get(name)]
+        if not own:
+            continue
+        kind = "silu" if PROJECTIONS[name][0] else "norm" if PROJECTIONS[name][1] else "plain"
+        table.setdefault(kind, {})[f"{rows_padded(m)},{n},{k}"] = dict(min(own, key=lambda r: r["ms"])["configs"][name])
+    return table
 
 
 if __name__ == "__main__":

@@ -305,3 +305,37 @@ def test_bench_switches_refuse_bad_values_before_the_gpu(argv, message, monkeypa
         module.main()
     assert stop.value.code == 2  # argparse's error, not the missing-GPU exit
     assert message in capsys.readouterr().err
+
+
+def test_chain_routes_gate_up_as_the_model_and_its_table_keeps_gemv_tiles():
+    """`bench_gemv_chain.gate_up_on_gemv` follows `linear_ops`' limits (the 1B gate/up of one
+    row on the GEMV, the 8B one and two 1B rows on cuBLAS); `gemv_table` gives each projection
+    the tile of its fastest GEMV variant, also where a cuBLAS variant was faster, and leaves out
+    projections that no variant ran on the GEMV."""
+    chain = bench_module("bench_gemv_chain")
+    from attngraph import linear_ops
+
+    assert chain.gate_up_on_gemv(1, *chain.projection_shapes("1b")["gate_up"])
+    assert not chain.gate_up_on_gemv(1, *chain.projection_shapes("8b")["gate_up"])
+    assert not chain.gate_up_on_gemv(2, *chain.projection_shapes("1b")["gate_up"])
+    assert chain.gate_up_on_gemv(linear_ops.KERNEL_MAX_ROWS, 64, 64)
+    assert not chain.gate_up_on_gemv(linear_ops.KERNEL_MAX_ROWS + 1, 64, 64)
+
+    def tile(bn: int, bk: int) -> dict:
+        return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=1, SPLIT_K=1)
+
+    shapes = chain.projection_shapes("1b")
+    base = {"qkv": tile(4, 1024), "o": tile(4, 1024), "gate_up": None, "down": tile(4, 1024), "lm_head": None}
+    rows = [
+        dict(variant="default", ms=1.00, configs=base),
+        dict(variant="gate_up BLOCK_N=8 BLOCK_K=1024 stages=1", ms=1.02, configs=dict(base, gate_up=tile(8, 1024))),
+        dict(variant="gate_up BLOCK_N=16 BLOCK_K=512 stages=1", ms=1.04, configs=dict(base, gate_up=tile(16, 512))),
+        dict(variant="qkv BLOCK_N=8 BLOCK_K=512 stages=1", ms=0.98, configs=dict(base, qkv=tile(8, 512))),
+        dict(variant="o BLOCK_N=2 BLOCK_K=512 stages=1", ms=1.01, configs=dict(base, o=tile(2, 512))),
+    ]  # fmt: skip
+    table = chain.gemv_table(rows, shapes, 1)
+    assert table == {
+        "norm": {"1,3072,2048": tile(8, 512), "1,16384,2048": tile(8, 1024)},
+        "plain": {"1,2048,2048": tile(4, 1024)},
+        "silu": {"1,2048,8192": tile(4, 1024)},
+    }
