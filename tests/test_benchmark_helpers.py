@@ -105,11 +105,13 @@ def test_chain_with_attention_runs_a_decode_layer(monkeypatch):
     pytest.importorskip("triton")
     bench_gemv_chain = bench_module("bench_gemv_chain")
     from attngraph import skinny_linear
+    from attngraph.attn_backends.triton_ops import decode_attention
     from attngraph.rope import rope_reference
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and (not skinny_linear.interpreting() or skinny_linear.interpreter_problem()):
-        pytest.skip("needs CUDA or Triton's interpreter")
+    if device == "cpu" and (not skinny_linear.interpreting() or skinny_linear.interpreter_problem()
+                            or decode_attention.interpreter_problem()):  # fmt: skip
+        pytest.skip("needs CUDA or Triton's interpreter (one that runs the decode kernel's loops)")
     context = 70
     chain = bench_gemv_chain.Chain("tiny", 1, attention=True, context=context, device=device)
     hq, hkv, d = chain.heads, chain.kv_heads, chain.head_dim

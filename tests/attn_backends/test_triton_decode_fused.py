@@ -34,6 +34,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NAN = float("nan")
 
 
+@pytest.fixture(autouse=True)
+def _runnable():
+    """The kernels on CUDA, or in Triton's interpreter where it runs them (see
+    `decode_attention.interpreter_problem`)."""
+    if DEVICE == "cpu" and (not decode_attention.interpreting() or decode_attention.interpreter_problem()):
+        pytest.skip(decode_attention.interpreter_problem() or "needs CUDA or Triton's interpreter")
+
+
 # ----------------------------------------------------------------------------- one decode step
 @dataclasses.dataclass
 class Opts:
