@@ -146,17 +146,25 @@ def real_rows(kind: int, rows: int) -> int:
     return real if real is not None and 0 < real < rows else rows
 
 
+def gemv_takes(rows: int, n: int, k: int) -> bool:
+    """Whether the plain ops' limits give ``rows`` rows of an ``[n, k]`` weight to the GEMV:
+    1-`KERNEL_MAX_ROWS` rows and at most `KERNEL_MAX_WEIGHT` elements, or at one row
+    `KERNEL_MAX_WEIGHT_ONE_ROW` and output heads of any size (dtype, layout and device aside)."""
+    if not 0 < rows <= KERNEL_MAX_ROWS:
+        return False
+    if rows == 1:
+        return n * k <= KERNEL_MAX_WEIGHT_ONE_ROW or n >= KERNEL_MIN_HEAD_RATIO * k
+    return n * k <= KERNEL_MAX_WEIGHT
+
+
 def _use_kernel(rows: int, k: int, lead: torch.Tensor, weight: torch.Tensor, max_weight: int | None = None) -> bool:
     """Kernel or torch for the ``[rows, K]`` input ``lead`` (x, or a) and ``weight`` (at most
-    ``max_weight`` elements; None: `KERNEL_MAX_WEIGHT`, or at one row `KERNEL_MAX_WEIGHT_ONE_ROW`
-    and output heads of any size)."""
+    ``max_weight`` elements; None: `gemv_takes`' limits)."""
     if not (0 < rows <= KERNEL_MAX_ROWS and _operands_fit(k, lead, weight)):
         return False
     if max_weight is not None:
         return weight.numel() <= max_weight
-    if rows == 1:
-        return weight.numel() <= KERNEL_MAX_WEIGHT_ONE_ROW or weight.shape[0] >= KERNEL_MIN_HEAD_RATIO * k
-    return weight.numel() <= KERNEL_MAX_WEIGHT
+    return gemv_takes(rows, weight.shape[0], k)
 
 
 def _operands_fit(k: int, lead: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -31,7 +31,7 @@ each layer's decode attention and output projection in one launch
 launch). A variant changes the
 configuration of one projection (``qkv``, ``o``, ``down``, ``lm_head``) and keeps the others at
 `default_config`'s. The gate/up product runs where the model's routing puts it
-(`gate_up_on_gemv`: the 1B one of one row on the GEMV, with the residual add and the MLP's norm
+(`linear_ops.gemv_takes`: the 1B one of one row on the GEMV, with the residual add and the MLP's norm
 folded into it, ``skinny_rms_norm_linear``; the 8B one on cuBLAS after the norm kernel);
 ``--sweep gate_up`` times the other of the two as well, and the grid's tiles on the GEMV;
 ``unpipelined`` runs every GEMV with ``num_stages = 1`` (one weight chunk in
@@ -70,6 +70,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_prefill import result_header  # noqa: E402
 from bench_skinny_gemm import copy_bandwidth  # noqa: E402
 
+from attngraph.linear_ops import gemv_takes  # noqa: E402
 from attngraph.skinny_linear import (  # noqa: E402
     default_config,
     rows_padded,
@@ -88,19 +89,9 @@ EPS = 1e-5
 MAX_SPEC = {"min_split": 1 << 20, "merge_chunk": 64}
 #: the chain's GEMVs: name -> (what default_config is asked for: silu_mul, norm). ``gate_up`` runs on cuBLAS
 #: where its configuration is None (after the norm kernel), else on the GEMV with the MLP's norm
-#: folded, as the model runs it where `linear_ops` routes it there (`gate_up_on_gemv`).
+#: folded, as the model runs it where `linear_ops.gemv_takes` routes it there.
 PROJECTIONS = {"qkv": (False, True), "o": (False, False), "gate_up": (False, True), "down": (True, False),
                "lm_head": (False, False)}  # fmt: skip
-
-
-def gate_up_on_gemv(rows: int, n: int, k: int) -> bool:
-    """Whether the model's ops run ``rows`` rows of the ``[n, k]`` gate/up weight on the GEMV
-    (`linear_ops`' limits at one row and at up to `KERNEL_MAX_ROWS`), else cuBLAS."""
-    from attngraph import linear_ops
-
-    if rows == 1 and n * k <= linear_ops.KERNEL_MAX_WEIGHT_ONE_ROW:
-        return True
-    return rows <= linear_ops.KERNEL_MAX_ROWS and n * k <= linear_ops.KERNEL_MAX_WEIGHT
 
 
 def projection_shapes(shape: str) -> dict[str, tuple[int, int]]:
@@ -443,7 +434,7 @@ def main() -> None:
     shapes = projection_shapes(args.shape)
     gemv_defaults = {name: default_config(args.rows, n, k, silu_mul=PROJECTIONS[name][0], norm=PROJECTIONS[name][1])
                      for name, (n, k) in shapes.items()}  # fmt: skip
-    on_gemv = gate_up_on_gemv(args.rows, *shapes["gate_up"])
+    on_gemv = gemv_takes(args.rows, *shapes["gate_up"])
     defaults = dict(gemv_defaults, gate_up=gemv_defaults["gate_up"] if on_gemv else None)  # as the model routes it
     variants: list[tuple[str, dict]] = [("default", {}),
                                         ("unpipelined", {n: dict(c, num_stages=1) for n, c in defaults.items() if c})]  # fmt: skip
@@ -509,8 +500,7 @@ def main() -> None:
         print(f"| {r['variant']} | {r['ms']:.4f} | {r['x_floor']:.3f} | {r['ms'] / base_ms:.3f} |")
     best = {}
     for name in shapes:
-        own = [r for r in rows if r["variant"] == "default" or r["variant"].startswith(name + " ")]
-        winner = min(own, key=lambda r: r["ms"])
+        winner = min(own_rows(rows, name), key=lambda r: r["ms"])
         best[name] = dict(winner["configs"][name] or {"cuBLAS": 1}, ms=winner["ms"])
     print("\nbest per projection:", json.dumps(best))
     result = result_header("bench_gemv_chain.py", shape=args.shape, rows=args.rows, layers=chain.layers,
@@ -529,6 +519,11 @@ def main() -> None:
             json.dump(table, f, indent=1)
 
 
+def own_rows(rows: list[dict], name: str) -> list[dict]:
+    """The default's row and those of the variants of projection ``name`` (labels ``name ...``)."""
+    return [r for r in rows if r["variant"] == "default" or r["variant"].startswith(name + " ")]
+
+
 def gemv_table(rows: list[dict], shapes: dict[str, tuple[int, int]], m: int) -> dict[str, dict]:
     """``{"plain" | "silu" | "norm": {"ROWS,N,K": config}}`` (a `bench_generate.py --gemv-table`
     file): per projection, the tile of its fastest variant that ran it on the GEMV (its own
@@ -536,7 +531,7 @@ def gemv_table(rows: list[dict], shapes: dict[str, tuple[int, int]], m: int) -> 
     is the step's routing limits' to say, the table only gives its tile there."""
     table: dict[str, dict] = {}
     for name, (n, k) in shapes.items():
-        own = [r for r in rows if (r["variant"] == "default" or r["variant"].startswith(name + " ")) and r["configs"].get(name)]
+        own = [r for r in own_rows(rows, name) if r["configs"].get(name)]
         if not own:
             continue
         kind = "silu" if PROJECTIONS[name][0] else "norm" if PROJECTIONS[name][1] else "plain"

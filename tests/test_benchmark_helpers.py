@@ -310,18 +310,21 @@ def test_bench_switches_refuse_bad_values_before_the_gpu(argv, message, monkeypa
 
 
 def test_chain_routes_gate_up_as_the_model_and_its_table_keeps_gemv_tiles():
-    """`bench_gemv_chain.gate_up_on_gemv` follows `linear_ops`' limits (the 1B gate/up of one
-    row on the GEMV, the 8B one and two 1B rows on cuBLAS); `gemv_table` gives each projection
+    """`linear_ops.gemv_takes`, by which the chain routes gate/up, keeps to the ops' limits (the
+    1B gate/up of one row on the GEMV, the 8B one and two 1B rows on cuBLAS, an output head of
+    one row on the GEMV at any size); `gemv_table` gives each projection
     the tile of its fastest GEMV variant, also where a cuBLAS variant was faster, and leaves out
     projections that no variant ran on the GEMV."""
     chain = bench_module("bench_gemv_chain")
     from attngraph import linear_ops
 
-    assert chain.gate_up_on_gemv(1, *chain.projection_shapes("1b")["gate_up"])
-    assert not chain.gate_up_on_gemv(1, *chain.projection_shapes("8b")["gate_up"])
-    assert not chain.gate_up_on_gemv(2, *chain.projection_shapes("1b")["gate_up"])
-    assert chain.gate_up_on_gemv(linear_ops.KERNEL_MAX_ROWS, 64, 64)
-    assert not chain.gate_up_on_gemv(linear_ops.KERNEL_MAX_ROWS + 1, 64, 64)
+    assert linear_ops.gemv_takes(1, *chain.projection_shapes("1b")["gate_up"])
+    assert not linear_ops.gemv_takes(1, *chain.projection_shapes("8b")["gate_up"])
+    assert not linear_ops.gemv_takes(2, *chain.projection_shapes("1b")["gate_up"])
+    assert linear_ops.gemv_takes(linear_ops.KERNEL_MAX_ROWS, 64, 64)
+    assert not linear_ops.gemv_takes(linear_ops.KERNEL_MAX_ROWS + 1, 64, 64) and not linear_ops.gemv_takes(0, 64, 64)
+    assert linear_ops.gemv_takes(1, *chain.projection_shapes("8b")["lm_head"])
+    assert not linear_ops.gemv_takes(2, *chain.projection_shapes("8b")["lm_head"])
 
     def tile(bn: int, bk: int) -> dict:
         return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=1, SPLIT_K=1)
