@@ -141,12 +141,17 @@ class CompileConfig:
         Paged runtime: HF's rotate-half rotary embedding of q and k moves into the attention
         op (`passes.fold_rope`); the Triton backend's decode kernel rotates them as it loads
         them (one launch less per layer of a decode step), every other call rotates them
-        first in one launch. Off by default: on an H200 the 1B-shaped decode step ran 16
-        kernels fewer but 0.02 ms slower at batch 1 (0.981 against 0.962 ms; likely the
-        rotation lengthening the latency-bound decode kernel), faster at batch 16 (1.088 against
-        1.184), and the 8B shape slower at both
-        (``benchmarks/bench_generate.py --fold-rope on,off``,
-        ``benchmarks/results/generate_switches_h200_2026-12-05.json``).
+        first in one launch. ``None`` (the default): on, except with `fuse_attention_o`
+        (whose fused kernel does not rotate, so the two would not meet); ``True``: on (then
+        `fuse_attention_o` refuses the rotated sites); ``False``: off. On by default: on an
+        H100 the Llama-shaped decode steps ran 16 (1B) and 32 (8B) kernels fewer and faster
+        at batch 1 and 16 (1B: 1.094-1.097 against 1.108-1.109 ms at batch 1, 1.299-1.301
+        against 1.318-1.323 at batch 16; 8B: 5.742 against 5.827 and 6.290 against 6.328;
+        ``benchmarks/bench_generate.py --interleave
+        --variant default --variant fold-rope=on``,
+        ``benchmarks/results/generate_fold_rope_{1b,8b}_h100_2026-12-06.json``). Before the
+        decode kernel's merge and gate/up changes of that day it had lost on an H200 at batch
+        1 (0.981 against 0.962 ms).
     fold_rope_linear:
         With `fold_rope` (required): where q and k are the first output columns of one
         attngraph projection (a fused q/k/v), the rotation moves on from the attention op into
@@ -157,6 +162,9 @@ class CompileConfig:
         16 kernels fewer but slower at batch 1 (0.967 against 0.948 ms) and even at batch 16
         (1.069 against 1.067; ``benchmarks/bench_generate.py --fold-rope off,linear``,
         ``benchmarks/results/generate_rope_linear_norm_epilogue_h200_2026-12-05.json``).
+        Against `fold_rope` alone on an H100 (same kernel count): tied at batch 1 (1.095-1.097
+        against 1.094-1.097 ms), slower at batch 16 (1.313-1.315 against 1.299-1.301;
+        ``benchmarks/results/generate_fold_rope_1b_h100_2026-12-06.json``).
     fold_norm_epilogue:
         With `fold_rms_norm` (required): where the projection after a residual add + RMSNorm
         never runs the GEMV (Llama-3.1-8B's fused gate/up, on cuBLAS) and the projection
@@ -175,9 +183,10 @@ class CompileConfig:
         one launch (`triton_ops.decode_attention_o`: the projection's programs load their
         weight while attention runs and start when its last head group is merged), so no
         kernel boundary sits between the two on the step's critical path; other steps and
-        backends run the two ops as before. Not with `fold_rope` (the fused kernel does not
-        rotate) nor where `fold_norm_epilogue` gave the projection the MLP's norm: those
-        sites keep the projection apart. Off by default: on an H100 the 1B-shaped batch-1
+        backends run the two ops as before. Setting it turns the default `fold_rope` off (the
+        fused kernel does not rotate); with ``fold_rope=True`` the rotated sites, and where
+        `fold_norm_epilogue` gave the projection the MLP's norm, those sites keep the
+        projection apart. Off by default: on an H100 the 1B-shaped batch-1
         step ran 16 kernels fewer but slower (1.268 ms, and 1.251 with 8 splits and 8 weight
         rows per program, against 1.211; ``benchmarks/bench_generate.py --variant default
         --variant fuse-o=on --variant fuse-o=on-s8-o8``,
@@ -233,7 +242,7 @@ class CompileConfig:
     fuse_linears: bool = True
     skinny_linears: bool | None = None
     fold_rms_norm: bool = True
-    fold_rope: bool = False
+    fold_rope: bool | None = None
     fold_rope_linear: bool = False
     fold_norm_epilogue: bool = False
     fuse_attention_o: bool = False
@@ -278,13 +287,15 @@ class CompileConfig:
             if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
                 raise ConfigError(f"{fname} must be positive ints, got {sizes!r}")
             object.__setattr__(self, fname, tuple(sorted(set(sizes))))
+        if self.fold_rope is not None and not isinstance(self.fold_rope, bool):
+            raise ConfigError(f"fold_rope must be None (on unless fuse_attention_o), True or False, got {self.fold_rope!r}")
         if self.skinny_linears is not None and not isinstance(self.skinny_linears, bool):
             raise ConfigError(f"skinny_linears must be None (on for CUDA), True or False, got {self.skinny_linears!r}")
-        for fname in ("lower_attention", "deterministic", "fuse_linears", "fold_rms_norm", "fold_rope", "fold_rope_linear",
+        for fname in ("lower_attention", "deterministic", "fuse_linears", "fold_rms_norm", "fold_rope_linear",
                       "fold_norm_epilogue", "fuse_attention_o", "absorb_mla"):  # fmt: skip
             if not isinstance(getattr(self, fname), bool):  # "no" would read as True
                 raise ConfigError(f"{fname} must be True or False, got {getattr(self, fname)!r}")
-        if self.fold_rope_linear and not self.fold_rope:
+        if self.fold_rope_linear and not self.resolved_fold_rope:
             raise ConfigError("fold_rope_linear moves the rotation fold_rope gave the attention op on into the projection: "
                               "set fold_rope=True with it")  # fmt: skip
         if self.fold_norm_epilogue and not self.fold_rms_norm:
@@ -325,6 +336,11 @@ class CompileConfig:
     def replace(self, **changes: Any) -> "CompileConfig":
         """A copy with ``changes`` applied (validated again)."""
         return dataclasses.replace(self, **changes)
+
+    @property
+    def resolved_fold_rope(self) -> bool:
+        """`fold_rope` with ``None`` resolved: on unless `fuse_attention_o`."""
+        return self.fold_rope if self.fold_rope is not None else not self.fuse_attention_o
 
     def resolved_skinny_linears(self, device_type: str) -> bool:
         return device_type == "cuda" if self.skinny_linears is None else self.skinny_linears

@@ -34,7 +34,9 @@ def test_defaults_are_valid_and_frozen():
         (dict(skinny_linears="yes"), "skinny_linears must be None"),
         (dict(deterministic=1), "deterministic"),
         (dict(lower_attention=None), "lower_attention"),
-        (dict(fold_rope_linear=True), "set fold_rope=True with it"),
+        (dict(fold_rope=False, fold_rope_linear=True), "set fold_rope=True with it"),
+        (dict(fuse_attention_o=True, fold_rope_linear=True), "set fold_rope=True with it"),
+        (dict(fold_rope="on"), "fold_rope must be None"),
         (dict(fold_norm_epilogue=True, fold_rms_norm=False), "set fold_rms_norm=True with it"),
         (dict(fold_norm_epilogue="on"), "fold_norm_epilogue must be True or False"),
     ],
@@ -82,3 +84,14 @@ def test_debug_env_dumps_graphs(monkeypatch, tmp_path, caplog):
     dumped = sorted(p.name for p in tmp_path.rglob("*.py"))
     assert dumped == ["0-dynamo.py", "1-lower_attention.py", "2-cleanup.py"]
     assert str(tmp_path) in caplog.text
+
+
+@pytest.mark.parametrize(
+    "kwargs,folded",
+    [({}, True), (dict(fuse_attention_o=True), False), (dict(fold_rope=True, fuse_attention_o=True), True),
+     (dict(fold_rope=False), False)],
+)
+def test_fold_rope_defaults_on_unless_attention_and_projection_fuse(kwargs, folded):
+    """The rotation folds by default; the fused attention + projection kernel does not rotate,
+    so asking for it alone keeps the rotation where HF has it, and an explicit value wins."""
+    assert CompileConfig(**kwargs).resolved_fold_rope is folded

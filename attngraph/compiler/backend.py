@@ -155,7 +155,7 @@ class AttnGraphBackend:
     def _fold_rope(self, gm: fx.GraphModule) -> fx.GraphModule:
         """Paged mode with `CompileConfig.fold_rope`: the rotary embedding into the attention ops
         (`passes.fold_rope`), on a copy of the graph unless an earlier pass made one."""
-        if not (self.config.fold_rope and self.config.lower_attention):
+        if not (self.config.resolved_fold_rope and self.config.lower_attention):
             return gm
         gm = self._own_copy(gm)
         self.rope_results.append(fold_rope(gm))
