@@ -16,19 +16,20 @@ can lose in the step. This script captures one CUDA graph per variant of the cha
 (no attention, RoPE or norm kernels between them: those are the model's). With ``--attention``
 each layer runs the rest of a decode step's kernels too, the model's order::
 
-        q, k = rope_qk(qkv q, qkv k, cos, sin)                                   # RoPE
-        a    = decode_attention_fwd(q, pool, ..., k_new=k, v_new=qkv v, counters) # + K/V store, merge
+        a    = decode_attention_fwd(q, pool, ..., k_new=k, v_new=qkv v, counters,
+                                    rope_cos=cos, rope_sin=sin)  # RoPE of q and k, K/V store, merge
         o    = skinny_linear(a, w_o)                                            # GEMV
         x, h = add_rms_norm(o, norm2_w, eps, residual=h)                        # RMSNorm
         gu   = F.linear(x, w_gate_up) ...
 
 over ``--context`` cached keys per request (the pool's keys before the new token, a page table of
 consecutive pages), so the GEMVs meet the latency-bound kernels they follow in the model (the
-RoPE kernel here is attngraph's, the model's is inductor's). ``--fuse-o`` adds variants that run
-each layer's decode attention and output projection in one launch
-(`triton_ops.decode_attention_o`; the model's with `CompileConfig.fuse_attention_o`), and
+decode kernel rotates q and k as the model's does with `CompileConfig.fold_rope`, its default).
+``--fuse-o`` adds variants that run each layer's decode attention and output projection in one
+launch (`triton_ops.decode_attention_o`; the model's with `CompileConfig.fuse_attention_o`),
+after a RoPE kernel (attngraph's ``rope_qk``; the fused kernel does not rotate), and
 ``--decode`` variants of the decode kernel (its shortest split, merge chunk, a second merging
-launch). A variant changes the
+launch, the rotation in a kernel of its own before it). A variant changes the
 configuration of one projection (``qkv``, ``o``, ``down``, ``lm_head``) and keeps the others at
 `default_config`'s. The gate/up product runs where the model's routing puts it
 (`linear_ops.gemv_takes`: the 1B one of one row on the GEMV, with the residual add and the MLP's norm
@@ -180,8 +181,9 @@ class Chain:
                 decode: dict | None = None) -> torch.Tensor:  # fmt: skip
         """RoPE and decode attention of one layer: ``qkv: [rows, (Hq + 2 Hkv) D]`` -> ``[rows, Hq D]``
         (the new K/V stored into the layer's pool by the decode kernel). ``decode``: the
-        kernel's ``min_split_len``, ``merge_chunk`` (splits the merging program loads at once)
-        and ``merge`` (False: stage 1 stores the partials and a second launch merges them)."""
+        kernel's ``min_split_len``, ``merge_chunk`` (splits the merging program loads at once),
+        ``merge`` (False: stage 1 stores the partials and a second launch merges them) and
+        ``rope`` (False: a RoPE kernel rotates q and k first; by default the decode kernel does)."""
         from attngraph.attn_backends.triton_ops import decode_attention as da
         from attngraph.attn_backends.triton_ops.decode_attention import DEFAULT_MIN_SPLIT_LEN, decode_attention_fwd
         from attngraph.rope_kernel import rope_qk
@@ -196,14 +198,19 @@ class Chain:
         q = qkv[:, : hq * d].view(rows, hq, d)
         k = qkv[:, hq * d : (hq + hkv) * d].view(rows, hkv, d)
         v = qkv[:, (hq + hkv) * d :].view(rows, hkv, d)
-        q, k = rope_qk(q, k, self.cos, self.sin)
+        rope = {}
+        if decode.get("rope", True):
+            rope = dict(rope_cos=self.cos, rope_sin=self.sin)
+        else:
+            q, k = rope_qk(q, k, self.cos, self.sin)
         out = torch.empty(rows, hq, d, device=qkv.device, dtype=qkv.dtype)
         k_pool, v_pool = self.pools[layer]
         try:
             decode_attention_fwd(q, k_pool, v_pool, out, self.req_to_page, self.req_idx, self.seq_lens, self.part_o,
                                  self.part_lse, page_size=PAGE_SIZE, scale=d**-0.5, max_splits=self.max_splits, k_new=k,
                                  v_new=v, new_loc=self.new_loc, counters=self.counters if decode.get("merge", True) else None,
-                                 trace=trace, min_split_len=decode.get("min_split_len", DEFAULT_MIN_SPLIT_LEN))  # fmt: skip
+                                 trace=trace, min_split_len=decode.get("min_split_len", DEFAULT_MIN_SPLIT_LEN),
+                                 **rope)  # fmt: skip
         finally:
             da.merge_chunk = plain_chunk
         return out.view(rows, hq * d)
@@ -400,7 +407,8 @@ def main() -> None:
     p.add_argument("--decode", action="append", default=[], metavar="SPEC",
                    help="with --attention, a variant of the decode kernel (repeatable): space-separated min_split=N "
                         "(shortest split in keys), merge_chunk=N (splits the merging program loads at once), "
-                        "merge=0 (a second launch merges the splits)")  # fmt: skip
+                        "merge=0 (a second launch merges the splits), rope=0 (a RoPE kernel before it rotates q and "
+                        "k, not the decode kernel)")  # fmt: skip
     p.add_argument("--trace", action="store_true",
                    help="with --attention: also replay each variant with timestamps recorded inside its decode attention "
                         "and output projection kernels (attngraph.kernel_clock), and print where a layer's time goes")
@@ -414,12 +422,13 @@ def main() -> None:
     for spec in args.decode:
         if not args.attention:
             p.error("--decode needs --attention")
-        keys = {"min_split": ("min_split_len", int), "merge_chunk": ("merge_chunk", int), "merge": ("merge", lambda v: v != "0")}
+        keys = {"min_split": ("min_split_len", int), "merge_chunk": ("merge_chunk", int), "merge": ("merge", lambda v: v != "0"),
+                "rope": ("rope", lambda v: v != "0")}  # fmt: skip
         decode = {}
         for item in spec.split():
             key, _, value = item.partition("=")
             if key not in keys or not value:
-                p.error(f"--decode {spec!r}: {item!r} is none of min_split=N, merge_chunk=N, merge=0")
+                p.error(f"--decode {spec!r}: {item!r} is none of min_split=N, merge_chunk=N, merge=0, rope=0")
             if key in MAX_SPEC and not (value.isdigit() and 1 <= int(value) <= MAX_SPEC[key]):
                 p.error(f"--decode {spec!r}: {key} takes a count from 1 to {MAX_SPEC[key]}")
             decode[keys[key][0]] = keys[key][1](value)

@@ -93,8 +93,8 @@ def _attention_reference(q, keys, values, group: int):
 def test_chain_with_attention_runs_a_decode_layer(monkeypatch):
     """`bench_gemv_chain.Chain` with ``attention`` (the interpreter on the CPU, or CUDA):
 
-    * one layer's RoPE + decode attention (`Chain._attend`, 71 keys: two splits merged in the
-      launch) against fp32 torch ops over the pool's cached keys and the rotated new token,
+    * one layer's decode attention with the rotation in the kernel (`Chain._attend`, 71 keys:
+      two splits merged in the launch) against fp32 torch ops over the pool's cached keys and the rotated new token,
       which the kernel also stores at its slot;
     * the whole chain (two layers of GEMVs, attention, add + RMSNorm, the MLP, the LM head)
       against the same layers in fp32 torch ops: the logits' relative error; and with each
@@ -136,8 +136,9 @@ def test_chain_with_attention_runs_a_decode_layer(monkeypatch):
     assert (chain.pools[0][0][slots[context]].float() - k_rot).abs().max() < 2e-2  # rotated, rounded to bf16
     assert torch.equal(chain.pools[0][1][slots[context]], qkv[0, (hq + hkv) * d :].view(hkv, d))
     # `--decode` variants of the kernel: one split (no merge), a merge chunk of one split, the
-    # splits merged by a second launch; the same output within rounding (the same new K/V stored)
-    for decode in (dict(min_split_len=256), dict(merge_chunk=1), dict(merge=False)):
+    # splits merged by a second launch, the rotation by a RoPE kernel before it; the same output
+    # within rounding (the same new K/V stored)
+    for decode in (dict(min_split_len=256), dict(merge_chunk=1), dict(merge=False), dict(rope=False)):
         again = chain._attend(qkv, 0, None, decode).float()
         assert (again - want).abs().max() < 1e-2, (decode, (again - want).abs().max())
     from attngraph.attn_backends.triton_ops import decode_attention
