@@ -16,6 +16,9 @@
 #                                      # the o projection (about 6 minutes)
 #   bash benchmarks/run_gpu.sh decode-step  # the step in generate with the GEMVs' weight loaded before
 #                                      # or after the PDL wait (gemv_tables/), interleaved (about 5 minutes)
+#   bash benchmarks/run_gpu.sh targets # the decode step's defaults against the floor: 1B and 8B at
+#                                      # batches 1 and 16 (Triton), then the 1B batch-1 step's kernels
+#                                      # by exposed time (about 4 minutes)
 #   QUICK=1 ...                        # shorter benchmark: quick kernel shapes, batch 1 only
 set -u
 OUT=${OUT:-benchmarks/results}
@@ -91,5 +94,16 @@ if [ "$stage" = decode-step ]; then
         --variant gemv-table=$T/o_half_chunk.json --variant gemv-table=$T/qkv_after_wait.json --variant default \
         --out "$OUT/generate_decode.json" 2>&1 | grep -v "it/s\|s/it" > "$OUT/generate_decode.log"
     echo "bench_generate rc=$?" >> "$OUT/device.txt"
+fi
+if [ "$stage" = targets ]; then
+    for shape in 1b 8b; do
+        timeout 200 python3 benchmarks/bench_generate.py --shapes $shape --batches 1,16 --backends triton --repeats 5 \
+            --interleave --variant default --variant default --out "$OUT/generate_defaults_$shape.json" 2>&1 \
+            | tr '\r' '\n' | grep -v "it/s\|s/it\|size/s" > "$OUT/generate_defaults_$shape.log"
+        echo "bench_generate $shape rc=${PIPESTATUS[0]}" >> "$OUT/device.txt"
+    done
+    timeout 100 python3 benchmarks/profile_kernels.py --shape 1b --backend triton --tokens "" --decode-batch 1 \
+        --out "$OUT/decode_kernels.json" 2>&1 | tr '\r' '\n' | grep -v "size/s" > "$OUT/decode_kernels.log"
+    echo "profile_kernels rc=${PIPESTATUS[0]}" >> "$OUT/device.txt"
 fi
 echo "done" >> "$OUT/device.txt"
