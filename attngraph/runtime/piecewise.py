@@ -227,7 +227,7 @@ def build_piecewise(
     compiled: dict[str, Callable] = {}
     capturable: dict[str, bool] = {}
     by_structure: dict[tuple, Callable] = {}
-    outputs_like: dict[tuple, Callable[[], Any] | None] = {}  # structure key -> maker of its fake outputs
+    outputs_like: dict[tuple, Callable[[Any], Any] | None] = {}  # structure key -> maker of its fake outputs
 
     class _CompilePieces(fx.Interpreter):
         """Runs the split module on fake inputs; each piece is compiled with the fake
@@ -242,9 +242,9 @@ def build_piecewise(
             make = outputs_like.get(key) if key is not None else None
             if make is not None:
                 # The same function of inputs of the same sizes (every decoder layer after the
-                # first): its outputs are fresh tensors of the sizes the first one gave, so the
-                # fake run need not go through its ops again.
-                out = make()
+                # first): its outputs are fresh tensors of the sizes the first one gave (or the
+                # arguments it passes on), so the fake run need not go through its ops again.
+                out = make(args)
             else:
                 out = super().call_module(target, args, kwargs)
                 if key is not None and key not in outputs_like:
@@ -309,28 +309,73 @@ def build_piecewise(
     return module
 
 
-def _fresh_like(out: Any, args: Any) -> Callable[[], Any] | None:
-    """A maker of new fake outputs like ``out`` (a piece's outputs on ``args``): tensors of the
-    same sizes, strides and dtypes, each on a storage of its own; other values as they are.
+def _fresh_like(out: Any, args: Any) -> Callable[[Any], Any] | None:
+    """A maker of fake outputs like ``out`` (a piece's outputs on ``args``) for another call of
+    the same piece, given that call's arguments. An output on an argument's storage (a value
+    the piece passes on, as each layer passes the rotary embedding's cos / sin to the next
+    attention, itself or reshaped) is the same view of that call's argument; other tensors are
+    new, of the same sizes, strides, storage offsets and dtypes, and outputs that share a
+    storage (q, k and v as views of one fused projection's output) share a new one of the
+    same size; other values are kept as they are.
 
-    None where that is not what the piece gives: an output that shares its storage with an
-    input or another output, or starts it past 0 (a view: its base would be lost)."""
+    None where that cannot be told from sizes alone: an output on a storage that several
+    arguments share, a dtype other than its storage's, or a storage offset not known here."""
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._pytree import tree_flatten, tree_unflatten
 
     leaves, spec = tree_flatten(out)
-    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-    seen = {StorageWeakRef(a.untyped_storage()) for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)}
-    for t in tensors:
-        ref = StorageWeakRef(t.untyped_storage())
-        offset = t.storage_offset()
-        if ref in seen or not (isinstance(offset, int) and offset == 0):
+    arg_leaves = tree_flatten(args)[0]
+    on_storage: dict[Any, list[int]] = {}  # storage -> the argument leaves on it
+    for i, a in enumerate(arg_leaves):
+        if isinstance(a, torch.Tensor):
+            on_storage.setdefault(StorageWeakRef(a.untyped_storage()), []).append(i)
+    storages: dict[Any, int] = {}  # storage of the piece's own outputs -> index into `bases`
+    bases: list[tuple[Any, torch.dtype, torch.device]] = []  # (elements, dtype, device) per storage
+    meta: list[tuple | None] = []  # per leaf: ("arg", index, size, stride, offset past the argument's),
+    # ("new", base, size, stride, offset) or None (not a tensor)
+    for x in leaves:
+        if not isinstance(x, torch.Tensor):
+            meta.append(None)
+            continue
+        ref = StorageWeakRef(x.untyped_storage())
+        offset = x.storage_offset()
+        if not isinstance(offset, int):
             return None
-        seen.add(ref)
-    meta = [(tuple(x.shape), tuple(x.stride()), x.dtype, x.device) if isinstance(x, torch.Tensor) else None for x in leaves]
+        if ref in on_storage:
+            owners = {id(arg_leaves[i]) for i in on_storage[ref]}
+            arg = arg_leaves[on_storage[ref][0]]
+            past = offset - arg.storage_offset()
+            if len(owners) != 1 or arg.dtype != x.dtype or not isinstance(past, int):
+                return None
+            meta.append(("arg", on_storage[ref][0], tuple(x.shape), tuple(x.stride()), past))
+            continue
+        if ref not in storages:
+            nbytes = x.untyped_storage().nbytes()
+            if isinstance(nbytes, int) and nbytes % x.element_size():
+                return None
+            storages[ref] = len(bases)
+            bases.append((nbytes // x.element_size(), x.dtype, x.device))
+        base = storages[ref]
+        if bases[base][1] != x.dtype:
+            return None
+        meta.append(("new", base, tuple(x.shape), tuple(x.stride()), offset))
+    n_args = len(arg_leaves)
 
-    def make() -> Any:
-        new = [torch.empty_strided(m[0], m[1], dtype=m[2], device=m[3]) if m is not None else x for x, m in zip(leaves, meta)]
+    def make(call_args: Any) -> Any:
+        given = tree_flatten(call_args)[0]
+        if len(given) != n_args:
+            raise AssertionError(f"piecewise: a shared piece called with {len(given)} argument leaves, not {n_args}")
+        fresh = [torch.empty(n, dtype=dtype, device=device) for n, dtype, device in bases]
+        new = []
+        for x, m in zip(leaves, meta):
+            if m is None:
+                new.append(x)
+            elif m[0] == "arg":
+                arg = given[m[1]]
+                same = m[4] == 0 and tuple(arg.shape) == m[2] and tuple(arg.stride()) == m[3]
+                new.append(arg if same else arg.as_strided(m[2], m[3], arg.storage_offset() + m[4]))
+            else:
+                new.append(fresh[m[1]].as_strided(m[2], m[3], m[4]))
         return tree_unflatten(new, spec)
 
     return make

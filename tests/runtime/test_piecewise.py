@@ -127,6 +127,9 @@ def test_the_fake_run_goes_through_each_shared_piece_once(monkeypatch):
 
 
 def test_fresh_outputs_only_where_a_piece_returns_tensors_of_its_own():
+    """`_fresh_like`: new tensors like the piece's own outputs (views of one storage stay views
+    of one new storage, at their offsets), the same views of the next call's arguments where
+    the piece passes an argument on, and no maker where that is not told by sizes alone."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from attngraph.runtime.piecewise import _fresh_like
@@ -135,12 +138,33 @@ def test_fresh_outputs_only_where_a_piece_returns_tensors_of_its_own():
         x = torch.empty(4, 6)
         own = (torch.empty(4, 3), 7)
         make = _fresh_like(own, [x])
-        new = make()
+        new = make([torch.empty(4, 6)])
         assert new[1] == 7 and new[0].shape == (4, 3) and new[0].untyped_storage() is not own[0].untyped_storage()
-        assert _fresh_like((x.view(6, 4),), [x]) is None  # a view of an input
-        assert _fresh_like((x[:, 2:],), [torch.empty(1)]) is None  # starts past 0 in its storage
+        # views of an argument: the same views of the next call's argument
+        other = torch.empty(8, 6)[2:6]  # another argument of x's sizes, 12 elements into its storage
+        view, part = _fresh_like((x.view(6, 4), x[:, 2:]), [x])([other])
+        assert view.untyped_storage() is part.untyped_storage() is other.untyped_storage()
+        assert view.shape == (6, 4) and (view.storage_offset(), part.storage_offset()) == (12, 14)
+        assert _fresh_like((x[:, 2:],), [x, x[1:]]) is None  # on a storage two arguments share
+        # q / k / v: views of one fused output, at offsets 0, 8 and 10 of rows of 12
+        qkv = torch.empty(5, 12)
+        views = (qkv[:, :8], qkv[:, 8:10], qkv[:, 10:])
+        a, b, c = _fresh_like(views, [x])([x])
+        assert [t.storage_offset() for t in (a, b, c)] == [0, 8, 10] and a.stride() == b.stride() == (12, 1)
+        assert a.untyped_storage() is b.untyped_storage() is c.untyped_storage()
+        assert a.untyped_storage() is not qkv.untyped_storage() and a.untyped_storage().nbytes() == qkv.untyped_storage().nbytes()
         y = torch.empty(4, 2)
-        assert _fresh_like((y, y), [x]) is None  # one storage twice
+        twice = _fresh_like((y, y), [x])([x])
+        assert twice[0].untyped_storage() is twice[1].untyped_storage() is not y.untyped_storage()
+        # an argument passed on (the rotary embedding's cos / sin from layer to layer)
+        cos, h = torch.empty(5, 4), torch.empty(5, 6)
+        make = _fresh_like((h + 1, cos), [h, cos])
+        other_cos = torch.empty(5, 4)
+        got = make([torch.empty(5, 6), other_cos])
+        assert got[1] is other_cos and got[0].shape == (5, 6)
+        assert _fresh_like((qkv[:, :4], torch.empty(3).to(torch.int32)), [x]) is not None
+        mixed = torch.empty(8, dtype=torch.int32)
+        assert _fresh_like((mixed, mixed.view(torch.float32)), [x]) is None  # two dtypes on one storage
 
 
 def test_layers_share_one_compiled_piece_and_attention_runs_without_the_dispatcher():
