@@ -136,8 +136,8 @@ def capture_decode(runner: ModelRunner):
     backend = runner.backend
     original = backend.forward
 
-    def spy(q, k, v, layer, batch, save_kv_cache=True):
-        out = original(q, k, v, layer, batch, save_kv_cache)
+    def spy(q, k, v, layer, batch, save_kv_cache=True, **kwargs):
+        out = original(q, k, v, layer, batch, save_kv_cache, **kwargs)
         if batch.mode is ForwardMode.DECODE:
             calls.append((q.clone(), layer, batch, out.clone()))
         return out
@@ -152,6 +152,9 @@ def alone_vs_batched(backend_name: str, deterministic: bool, seed: int, model=No
     g = torch.Generator().manual_seed(seed)
     if model is None:
         model = build_model("llama", "sdpa", seed=seed % 1000)
+    # The replay below attends with the recorded q and without storing K/V: q must arrive
+    # rotated (a rotation folded into the op runs only with the store of the new K/V).
+    options.setdefault("fold_rope", False)
     runner = make_runner(model, backend_name, deterministic=deterministic, **options)
     check_plumbed(runner, deterministic)
     pool = runner.pool
