@@ -319,7 +319,8 @@ def _fresh_like(out: Any, args: Any) -> Callable[[Any], Any] | None:
     same size; other values are kept as they are.
 
     None where that cannot be told from sizes alone: an output on a storage that several
-    arguments share, a dtype other than its storage's, or a storage offset not known here."""
+    arguments share or starting before its argument, a dtype other than its storage's, or a
+    storage offset not known here."""
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -345,7 +346,7 @@ def _fresh_like(out: Any, args: Any) -> Callable[[Any], Any] | None:
             owners = {id(arg_leaves[i]) for i in on_storage[ref]}
             arg = arg_leaves[on_storage[ref][0]]
             past = offset - arg.storage_offset()
-            if len(owners) != 1 or arg.dtype != x.dtype or not isinstance(past, int):
+            if len(owners) != 1 or arg.dtype != x.dtype or not isinstance(past, int) or past < 0:
                 return None
             meta.append(("arg", on_storage[ref][0], tuple(x.shape), tuple(x.stride()), past))
             continue

@@ -146,6 +146,7 @@ def test_fresh_outputs_only_where_a_piece_returns_tensors_of_its_own():
         assert view.untyped_storage() is part.untyped_storage() is other.untyped_storage()
         assert view.shape == (6, 4) and (view.storage_offset(), part.storage_offset()) == (12, 14)
         assert _fresh_like((x[:, 2:],), [x, x[1:]]) is None  # on a storage two arguments share
+        assert _fresh_like((x,), [x[1:]]) is None  # starts before its argument
         # q / k / v: views of one fused output, at offsets 0, 8 and 10 of rows of 12
         qkv = torch.empty(5, 12)
         views = (qkv[:, :8], qkv[:, 8:10], qkv[:, 10:])
