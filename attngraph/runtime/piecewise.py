@@ -332,8 +332,8 @@ def _fresh_like(out: Any, args: Any) -> Callable[[Any], Any] | None:
             on_storage.setdefault(StorageWeakRef(a.untyped_storage()), []).append(i)
     storages: dict[Any, int] = {}  # storage of the piece's own outputs -> index into `bases`
     bases: list[tuple[Any, torch.dtype, torch.device]] = []  # (elements, dtype, device) per storage
-    meta: list[tuple | None] = []  # per leaf: ("arg", index, size, stride, offset past the argument's),
-    # ("new", base, size, stride, offset) or None (not a tensor)
+    meta: list[tuple | None] = []  # per leaf: ("arg", index, size, stride, offset past the argument's,
+    # the argument itself), ("new", base, size, stride, offset) or None (not a tensor)
     for x in leaves:
         if not isinstance(x, torch.Tensor):
             meta.append(None)
@@ -348,7 +348,8 @@ def _fresh_like(out: Any, args: Any) -> Callable[[Any], Any] | None:
             past = offset - arg.storage_offset()
             if len(owners) != 1 or arg.dtype != x.dtype or not isinstance(past, int) or past < 0:
                 return None
-            meta.append(("arg", on_storage[ref][0], tuple(x.shape), tuple(x.stride()), past))
+            whole = past == 0 and tuple(x.shape) == tuple(arg.shape) and tuple(x.stride()) == tuple(arg.stride())
+            meta.append(("arg", on_storage[ref][0], tuple(x.shape), tuple(x.stride()), past, whole))
             continue
         if ref not in storages:
             nbytes = x.untyped_storage().nbytes()
@@ -373,8 +374,7 @@ def _fresh_like(out: Any, args: Any) -> Callable[[Any], Any] | None:
                 new.append(x)
             elif m[0] == "arg":
                 arg = given[m[1]]
-                same = m[4] == 0 and tuple(arg.shape) == m[2] and tuple(arg.stride()) == m[3]
-                new.append(arg if same else arg.as_strided(m[2], m[3], arg.storage_offset() + m[4]))
+                new.append(arg if m[5] else arg.as_strided(m[2], m[3], arg.storage_offset() + m[4]))
             else:
                 new.append(fresh[m[1]].as_strided(m[2], m[3], m[4]))
         return tree_unflatten(new, spec)
