@@ -45,7 +45,8 @@ Naming one row twice (an A/A pair) shows what is left of the noise.
 tables and heuristic), ``unpipelined`` (the same with ``num_stages = 1``: one weight chunk in
 flight per program) or a JSON file ``{"plain" | "silu" | "norm": {"ROWS,N,K": config}}`` whose
 entries take precedence (``ROWS`` padded to a power of two; `bench_gemv_chain.py`'s winners;
-a config may add ``"PRELOAD": 0``, every weight chunk loaded after the PDL wait). The files of
+a config may add ``"PRELOAD": 0``, every weight chunk loaded after the PDL wait); its ``"dot":
+{"N,K": config}`` entries set the tensor-core kernel's (`attngraph.skinny_dot`, 3-16 rows). The files of
 ``benchmarks/gemv_tables/`` are the ones timed in BENCHMARKS.md and ``run_gpu.sh decode``.
 """
 
@@ -88,7 +89,7 @@ def gemv_table(value: str, tuned):
     with open(value) as f:
         table = {kind: {tuple(int(v) for v in key.split(",")): skinny_linear._check_config(cfg)
                         for key, cfg in entries.items()}
-                 for kind, entries in json.load(f).items()}  # fmt: skip
+                 for kind, entries in json.load(f).items() if kind != "dot"}  # fmt: skip
 
     def config(m, n, k, *, silu_mul=False, norm=False):
         kind = "silu" if silu_mul else "norm" if norm else "plain"
@@ -96,6 +97,22 @@ def gemv_table(value: str, tuned):
         return dict(hit) if hit is not None else tuned(m, n, k, silu_mul=silu_mul, norm=norm)
 
     return config
+
+
+def dot_table(value: str, tuned):
+    """The `skinny_dot.default_config` (3-16 rows on tensor cores) to capture with for
+    ``--gemv-table``'s ``value``: a JSON file's ``"dot": {"N,K": config}`` entries over ``tuned``
+    (the module's own), checked as the kernel's launcher checks them."""
+    from attngraph import skinny_dot
+
+    if value in ("tuned", "unpipelined"):
+        return tuned
+    with open(value) as f:
+        entries = json.load(f).get("dot", {})
+    table = {tuple(int(v) for v in key.split(",")): skinny_dot._check_config(cfg) for key, cfg in entries.items()}
+    if not table:
+        return tuned
+    return lambda n, k: dict(table[(int(n), int(k))]) if (int(n), int(k)) in table else tuned(n, k)
 
 
 def llama_1b(layers: int) -> transformers.LlamaConfig:
@@ -404,9 +421,9 @@ def main() -> None:
                  "on a CPU `attngraph generate llama --tiny --prompt ...` compares tokens/s")  # fmt: skip
     from bench_prefill import random_model
 
-    from attngraph import skinny_linear, weight_prefetch  # imports Triton
+    from attngraph import skinny_dot, skinny_linear, weight_prefetch  # imports Triton
 
-    tuned_config = skinny_linear.default_config
+    tuned_config, tuned_dot_config = skinny_linear.default_config, skinny_dot.default_config
     from attngraph.attn_backends.triton_ops import decode_attention
 
     block_n_default = decode_attention.decode_block_n
@@ -415,6 +432,7 @@ def main() -> None:
 
     min_split_default = triton_backend.TritonBackend.__init__.__kwdefaults__["min_split_len"]
     gemv_tables = {v: gemv_table(v, tuned_config) for v in args.gemv_table.split(",")}  # a bad file fails here, before any timing
+    dot_tables = {v: dot_table(v, tuned_dot_config) for v in args.gemv_table.split(",")}
 
     prefetch_default = weight_prefetch.ENABLED
 
@@ -486,6 +504,7 @@ def main() -> None:
             decode_attention.decode_block_n = block_n_default if dbn == "default" else (lambda *a, n=int(dbn): n)
             decode_attention.merge_chunk = merge_chunk_default if mc == "default" else (lambda *a, n=int(mc): n)
             skinny_linear.default_config = gemv_tables[gt]  # read at capture
+            skinny_dot.default_config = dot_tables[gt]
             options = {} if rope == "default" else {"fold_rope": rope != "off", "fold_rope_linear": rope == "linear"}
             if ne != "default":
                 options["fold_norm_epilogue"] = ne == "on"

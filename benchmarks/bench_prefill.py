@@ -122,9 +122,13 @@ def main() -> None:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--backend", default="flashinfer", help="attention backend(s), comma-separated: each mode runs with each")
     p.add_argument("--num-tokens", default=None, help="cuda_graph_num_tokens, comma-separated (default: the config's)")
+    p.add_argument("--fold-rope", default="default",
+                   help="CompileConfig.fold_rope per run: default (the config's), on and/or off, comma-separated")
     p.add_argument("--setup-only", action="store_true", help="only accelerate() with the default config: time and memory")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if bad := [v for v in args.fold_rope.split(",") if v not in ("default", "on", "off")]:
+        p.error(f"--fold-rope takes default, on and/or off; got {', '.join(bad)}")
     if not torch.cuda.is_available():
         sys.exit("bench_prefill.py needs a CUDA device (it times bf16 prefill steps and CUDA-graph captures on the GPU)")
     model = random_model(args.shape)
@@ -134,13 +138,14 @@ def main() -> None:
     extra = {}
     if args.num_tokens:
         extra["cuda_graph_num_tokens"] = tuple(int(x) for x in args.num_tokens.split(","))
-    runs = [(m, b) for m in modes for b in backends]
+    folds = args.fold_rope.split(",")
+    runs = [(m, b, f) for m in modes for b in backends for f in folds]
     result = dict(
         model=f"Llama-{args.shape.upper()}-shaped, bf16, random weights", device=torch.cuda.get_device_name(),
         torch=torch.__version__, transformers=transformers.__version__, backend=args.backend, rows=[],
     )
     if args.setup_only:
-        for mode, backend in runs:
+        for mode, backend, _ in runs:
             seconds, held = setup(model, mode, attention_backend=backend, **extra)
             row = dict(mode=mode, backend=backend, accelerate_s=seconds, held_beyond_kv_pool_GiB=held / 2**30)
             result["rows"].append(row)
@@ -168,11 +173,14 @@ def main() -> None:
             rows.append(dict(impl="HF eager (sdpa)", batch=b, tokens=n, prefill_ms=t, floor_ms=floor_ms(b * n, b)))
             print(rows[-1], flush=True)
     prompt = torch.randint(3, cfg.vocab_size, (1, 128), device="cuda")
-    for mode, backend in runs:
+    for mode, backend, fold in runs:
         impl = f"attngraph {mode}" if len(backends) == 1 else f"attngraph {mode} ({backend})"
+        impl += "" if fold == "default" else f" fold_rope={fold == 'on'}"
+        rope = {} if fold == "default" else {"fold_rope": fold == "on"}
         m = copy.deepcopy(model)
         try:
-            seconds, held = setup(m, mode, attention_backend=backend, kv_cache_tokens=1 << 16, max_context_len=8192, **extra)
+            seconds, held = setup(m, mode, attention_backend=backend, kv_cache_tokens=1 << 16, max_context_len=8192,
+                                  **extra, **rope)  # fmt: skip
         except Exception as exc:
             rows.append(dict(impl=impl, error=f"{type(exc).__name__}: {exc}"[:500]))
             print(rows[-1], flush=True)

@@ -74,6 +74,18 @@ def test_gemv_table_and_chain_sweep(tmp_path):
     assert variants[0][0] == "o BLOCK_N=4 BLOCK_K=1024 stages=2 PRELOAD=0"
     path.write_text(json.dumps({"plain": {"1,2048,2048": dict(cfg, PRELOAD=0)}}))
     assert bench_generate.gemv_table(str(path), skinny_linear.default_config)(1, 2048, 2048)["PRELOAD"] == 0
+    # the tensor-core kernel's entries ("dot": {"N,K": ...}) leave the GEMV's table alone
+    from attngraph import skinny_dot
+
+    dot = dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=4)
+    path.write_text(json.dumps({"dot": {"3072,2048": dot}, "plain": {"1,2048,2048": cfg}}))
+    dot_config = bench_generate.dot_table(str(path), skinny_dot.default_config)
+    assert dot_config(3072, 2048) == dot and dot_config(2048, 2048) == skinny_dot.default_config(2048, 2048)
+    assert bench_generate.gemv_table(str(path), skinny_linear.default_config)(1, 2048, 2048) == cfg
+    assert bench_generate.dot_table("tuned", skinny_dot.default_config) is skinny_dot.default_config
+    path.write_text(json.dumps({"dot": {"3072,2048": dict(dot, BLOCK_N=8)}}))
+    with pytest.raises(InputError, match="tensor-core"):
+        bench_generate.dot_table(str(path), skinny_dot.default_config)
 
 
 def _rms_norm(h: "torch.Tensor", weight: "torch.Tensor") -> "torch.Tensor":
