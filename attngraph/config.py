@@ -176,6 +176,13 @@ class CompileConfig:
         but slower (0.999 against 0.948 ms): behind the GEMV under programmatic dependent
         launch the norm kernel cost 0.56 us a layer, the epilogue's serial tail 0.84
         (``--norm-epilogue on,off``, same results file).
+    fuse_gated_mlp:
+        With `fold_rms_norm` (required): each gated MLP whose fused gate/up product follows a
+        residual add + RMSNorm becomes one op (`passes.fuse_gated_mlp`,
+        ``attngraph.add_rms_norm_gated_mlp``). At the rows the tensor-core kernel takes
+        (3-16) SiLU * up is formed in the gate/up product's epilogue, so no SiLU-mul kernel
+        runs and half the product's output is written; at other row counts the op runs the
+        ops it replaces.
     fuse_attention_o:
         Paged runtime: each attention op whose output reaches only the output projection
         (through HF's reshapes) and that projection become one op, ``attngraph.attention_o``
@@ -245,6 +252,7 @@ class CompileConfig:
     fold_rope: bool | None = None
     fold_rope_linear: bool = False
     fold_norm_epilogue: bool = False
+    fuse_gated_mlp: bool = False
     fuse_attention_o: bool = False
     absorb_mla: bool = True
     l2_prefetch_mlp_bytes: int = 0
@@ -292,7 +300,7 @@ class CompileConfig:
         if self.skinny_linears is not None and not isinstance(self.skinny_linears, bool):
             raise ConfigError(f"skinny_linears must be None (on for CUDA), True or False, got {self.skinny_linears!r}")
         for fname in ("lower_attention", "deterministic", "fuse_linears", "fold_rms_norm", "fold_rope_linear",
-                      "fold_norm_epilogue", "fuse_attention_o", "absorb_mla"):  # fmt: skip
+                      "fold_norm_epilogue", "fuse_gated_mlp", "fuse_attention_o", "absorb_mla"):  # fmt: skip
             if not isinstance(getattr(self, fname), bool):  # "no" would read as True
                 raise ConfigError(f"{fname} must be True or False, got {getattr(self, fname)!r}")
         if self.fold_rope_linear and not self.resolved_fold_rope:
@@ -301,6 +309,9 @@ class CompileConfig:
         if self.fold_norm_epilogue and not self.fold_rms_norm:
             raise ConfigError("fold_norm_epilogue moves the add + RMSNorm fold_rms_norm gave a projection back into the "
                               "one before it: set fold_rms_norm=True with it")  # fmt: skip
+        if self.fuse_gated_mlp and not self.fold_rms_norm:
+            raise ConfigError("fuse_gated_mlp fuses the MLP after the add + RMSNorm fold_rms_norm gives its gate/up "
+                              "product: set fold_rms_norm=True with it")  # fmt: skip
         _check_int(self.page_size, "page_size", 1)
         _check_int(self.l2_prefetch_mlp_bytes, "l2_prefetch_mlp_bytes", 0)
         _check_int(self.max_requests, "max_requests", 1)

@@ -1,5 +1,5 @@
-"""`torch.ops.attngraph.linear`, `silu_mul_linear`, `rms_norm_linear`, `add_rms_norm_linear`
-and `linear_add_rms_norm`: projections of a few token rows through the Triton GEMV of
+"""`torch.ops.attngraph.linear`, `silu_mul_linear`, `rms_norm_linear`, `add_rms_norm_linear`,
+`linear_add_rms_norm` and `add_rms_norm_gated_mlp`: projections of a few token rows through the Triton GEMV of
 `attngraph.skinny_linear` (with SiLU * up, or a residual add and HF's RMSNorm, folded into its
 loads), 3-16 rows through the tensor-core kernel of `attngraph.skinny_dot` (a norm or SiLU * up
 runs its own launch first), torch for everything else.
@@ -13,7 +13,9 @@ tensors are on a CUDA device; on the CPU only under Triton's interpreter (``TRIT
 before import) and with `CPU_INTERPRETER` set (tests). The tensor-core kernel, likewise, for
 `DOT_MIN_ROWS` to `DOT_MAX_ROWS` rows and weights of at most `DOT_MAX_WEIGHT` elements that are
 no output head (the norm folded in where `DOT_FOLD_NORM` is set). Otherwise
-``torch.nn.functional.linear``.
+``torch.nn.functional.linear``. `add_rms_norm_gated_mlp` is a gated MLP whole (its norm, the
+fused gate/up product, SiLU * up and the down product): the ops above at most row counts, and
+at the tensor-core kernel's the activation in the gate/up product's epilogue.
 
 CUDA-graph capture: the only allocation is the output (and split-K partials, ``torch.empty``);
 nothing is read back to the host. Triton is imported on first use, so this module imports on a
@@ -505,6 +507,57 @@ def linear_add_rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, bias: Option
     return normed, h
 
 
+def _gated_dot_serves(rows: int, k: int, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+    """Whether ``rows`` rows of a gated MLP run its gate/up product with the activation in the
+    tensor-core kernel's epilogue: where the kernel takes both products and the GEMV neither
+    (its own folds serve one and two rows)."""
+    inter = w_gate_up.shape[0] // 2
+    return (_use_dot(rows, k, x, w_gate_up) and not _use_kernel(rows, k, x, w_gate_up)
+            and not _use_kernel(rows, inter, x, w_down, KERNEL_MAX_SILU_MUL_WEIGHT))  # fmt: skip
+
+
+def _check_gated_mlp(what: str, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> int:
+    """Refuse what no path serves; returns the intermediate size I."""
+    k = x.shape[-1]
+    _check_linear(what, x, w_gate_up, k)
+    if w_gate_up.shape[0] % 2:
+        raise InputError(f"{what}: w_gate_up must be [2I, K], the gate rows then the up rows; got {tuple(w_gate_up.shape)}")
+    inter = w_gate_up.shape[0] // 2
+    _check_linear(what, x, w_down, inter)
+    return inter
+
+
+def add_rms_norm_gated_mlp_impl(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                                w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                                rows: int = ANY_ROWS) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A decoder layer's gated MLP with the residual add and HF's RMSNorm before it:
+    ``(F.linear(silu(g) * u, w_down), h)`` with ``[g | u] = F.linear(norm_weight *
+    rmsnorm(h), w_gate_up)`` and ``h = x + residual`` (the residual stream, rounded to x's
+    dtype). ``x, residual: [..., K]``, ``norm_weight: [K]``, ``w_gate_up: [2I, K]`` (gate rows,
+    then up rows), ``w_down: [N, I]`` -> ``([..., N], [..., K])``. ``rows``: as for `linear_impl`.
+
+    Where the tensor-core kernel takes the rows (`_gated_dot_serves`): the norm's launch
+    (`attngraph.rms_norm`), the gate/up product with ``silu(g) * u`` in its epilogue
+    (`skinny_dot.skinny_dot_gated_linear`: no SiLU-mul launch) and the down product. Elsewhere
+    exactly `add_rms_norm_linear_impl` then `silu_mul_linear_impl` on the product's halves (the
+    GEMV's folds at one and two rows). Each product is rounded to the dtype and ``silu(g) * u``
+    computed in fp32 and rounded once on every path."""
+    what = "add_rms_norm_gated_mlp"
+    _check_norm(what, x, residual, norm_weight)
+    inter = _check_gated_mlp(what, x, w_gate_up, w_down)
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    real = real_rows(rows, m)
+    if (norm_weight.is_contiguous() and residual.stride(-1) == 1 and k > 1 and w_down.is_contiguous()
+            and _gated_dot_serves(real, k, x, w_gate_up, w_down)):  # fmt: skip
+        normed, h = _add_rms_norm(x, residual, norm_weight, eps)
+        act = x.new_empty((m, inter))
+        _dot_kernels().skinny_dot_gated_linear(normed.reshape(m, k)[:real], w_gate_up, out=act[:real])
+        return _project(act, w_down, None, real).view(*x.shape[:-1], w_down.shape[0]), h
+    y, h = add_rms_norm_linear_impl(x, residual, norm_weight, eps, w_gate_up, None, rows)
+    return silu_mul_linear_impl(y[..., :inter], y[..., inter:], w_down, rows), h
+
+
 linear = torch.library.custom_op("attngraph::linear", mutates_args=())(linear_impl)
 linear.__doc__ = linear_impl.__doc__
 silu_mul_linear = torch.library.custom_op("attngraph::silu_mul_linear", mutates_args=())(silu_mul_linear_impl)
@@ -519,6 +572,16 @@ add_rms_norm_linear.__doc__ = add_rms_norm_linear_impl.__doc__
 
 linear_add_rms_norm = torch.library.custom_op("attngraph::linear_add_rms_norm", mutates_args=())(linear_add_rms_norm_impl)
 linear_add_rms_norm.__doc__ = linear_add_rms_norm_impl.__doc__
+add_rms_norm_gated_mlp = torch.library.custom_op("attngraph::add_rms_norm_gated_mlp",
+                                                 mutates_args=())(add_rms_norm_gated_mlp_impl)  # fmt: skip
+add_rms_norm_gated_mlp.__doc__ = add_rms_norm_gated_mlp_impl.__doc__
+
+
+@add_rms_norm_gated_mlp.register_fake
+def _(x, residual, norm_weight, eps, w_gate_up, w_down, rows=ANY_ROWS):
+    _check_norm("add_rms_norm_gated_mlp", x, residual, norm_weight)
+    _check_gated_mlp("add_rms_norm_gated_mlp", x, w_gate_up, w_down)
+    return x.new_empty((*x.shape[:-1], w_down.shape[0])), x.new_empty(x.shape)
 
 
 @linear_add_rms_norm.register_fake

@@ -18,6 +18,12 @@ tall side of the tensor-core tile:
   own (`skinny_dot_rms_norm_linear`; the ops use it where `linear_ops.DOT_FOLD_NORM` is set);
 * ``ROPE``: a fused q/k/v projection's first columns leave rotated by HF's rotate-half RoPE
   (`passes.fold_rope_linear`), with `skinny_linear`'s column layout and epilogue;
+* ``GATED``: a gated MLP's fused gate/up projection ``W = [W_gate; W_up]`` (``[2I, K]``) leaves
+  as ``silu(x W_gate^T) * (x W_up^T)`` (``[M, I]``): a program owns the gate rows of its column
+  block and the up rows ``I`` further, two products per chunk, and forms the activation in its
+  epilogue from both products rounded to the dtype (what the product followed by
+  `skinny_linear.silu_mul` computes): no SiLU-mul launch, half the output written
+  (`skinny_dot_gated_linear`; the op `linear_ops.add_rms_norm_gated_mlp`);
 * launched with programmatic dependent launch where `attngraph.pdl` allows it: a program loads
   its first weight tile, then waits for the kernel before (whose output ``x`` is).
 
@@ -52,8 +58,8 @@ from .skinny_linear import (
 from .triton_math import round_to as _round
 from .weight_prefetch import prefetch_rows_l2
 
-__all__ = ["MAX_ROWS", "MIN_BLOCK_N", "TUNED", "default_config", "rope_fits", "skinny_dot_linear", "skinny_dot_rms_norm_linear",
-           "skinny_dot_silu_mul_linear"]
+__all__ = ["MAX_ROWS", "MIN_BLOCK_N", "TUNED", "default_config", "rope_fits", "skinny_dot_gated_linear", "skinny_dot_linear",
+           "skinny_dot_rms_norm_linear", "skinny_dot_silu_mul_linear"]
 
 #: Rows of ``x`` one launch takes (the tensor-core tile's narrow side).
 MAX_ROWS = 16
@@ -132,7 +138,7 @@ def _skinny_dot_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, SOFT_BF16: tl.constexpr, USE_PDL: tl.constexpr,
-    PREFETCH: tl.constexpr, LINE: tl.constexpr, ROPE: tl.constexpr, ROPE_D: tl.constexpr,
+    PREFETCH: tl.constexpr, LINE: tl.constexpr, ROPE: tl.constexpr, ROPE_D: tl.constexpr, GATED: tl.constexpr,
 ):  # fmt: skip
     """``Y[:M] = h @ W^T (+ Bias)``, ``h = X``, ``silu(X) * X2`` or, with ``NORM``, ``NW *
     rmsnorm(X)`` (HF's RMSNorm, ``eps``) or, with ``RESIDUAL`` too, of ``X + X2``, whose rows
@@ -146,7 +152,9 @@ def _skinny_dot_kernel(
     ``USE_PDL``): the rest of the program's weight range is asked into L2 before the wait
     (`attngraph.weight_prefetch`, ``LINE`` elements per line). ``ROPE``: columns ``[0,
     rope_cols)`` leave rotated, as in `skinny_linear`'s kernel (its column layout and epilogue,
-    on the transposed tile)."""
+    on the transposed tile). ``GATED`` (``SPLIT_K == 1``, no bias, rotation or prefetch): W is
+    ``[2N, K]``, gate rows then up rows, and ``Y[:M] = silu(g) * u`` with ``g``, ``u`` the
+    products of the two halves, each rounded to the dtype first."""
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns = weight rows
     rows = tl.arange(0, 16)  # [16] rows of x, the first M real
@@ -159,12 +167,14 @@ def _skinny_dot_kernel(
     k_lo = tl.program_id(1) * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    wu_rows = w_rows + N * stride_wn  # [BLOCK_N, 1]: the up rows of these columns (read with GATED only)
     x_rows = X + rows.to(tl.int64)[:, None] * stride_xm  # [16, 1]
     x2_rows = X2 + rows.to(tl.int64)[:, None] * stride_x2m  # [16, 1] (read with SILU_MUL or RESIDUAL only)
     h_rows = H + rows.to(tl.int64)[:, None] * stride_hm  # [16, 1] (written with RESIDUAL only)
     DTYPE = X.dtype.element_ty
     h_count = tl.where((pid_n == 0) & (tl.program_id(1) == 0), M, 0)  # rows of H this program stores
-    acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)  # y^T
+    acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)  # y^T (GATED: the gate product's)
+    acc_u = tl.zeros([BLOCK_N, 16], dtype=tl.float32)  # GATED: the up product's
     rstd = tl.zeros([16], dtype=tl.float32)  # read with NORM only
     k_first = k_lo
     if USE_PDL:
@@ -172,6 +182,8 @@ def _skinny_dot_kernel(
         # before finishes; x only after gdc_wait (see attngraph.pdl).
         offs_k = k_lo + tl.arange(0, BLOCK_K)
         w = _weight_chunk(w_rows, offs_k, mask_n, K, EVEN_K)
+        if GATED:
+            wu = _weight_chunk(wu_rows, offs_k, mask_n, K, EVEN_K)
         if PREFETCH:
             prefetch_rows_l2(W, offs_n, N, stride_wn, k_lo + BLOCK_K, k_hi, BLOCK_N, BLOCK_K, LINE)
         gdc_wait()
@@ -180,6 +192,8 @@ def _skinny_dot_kernel(
             rstd = _rms_rstd(x_rows, x2_rows, h_rows, K, eps, mask_m, h_count, 16, BLOCK_K, RESIDUAL, DTYPE, SOFT_BF16)
         x = _operand_chunk(x_rows, x2_rows, NW, rstd, offs_k, mask_m, K, EVEN_K, SILU_MUL, NORM, RESIDUAL, UPCAST, SOFT_BF16)
         acc = tl.dot(w.to(x.dtype), tl.trans(x), acc, input_precision=PRECISION)
+        if GATED:
+            acc_u = tl.dot(wu.to(x.dtype), tl.trans(x), acc_u, input_precision=PRECISION)
         k_first = k_lo + BLOCK_K
     elif NORM:
         rstd = _rms_rstd(x_rows, x2_rows, h_rows, K, eps, mask_m, h_count, 16, BLOCK_K, RESIDUAL, DTYPE, SOFT_BF16)
@@ -188,8 +202,15 @@ def _skinny_dot_kernel(
         w = _weight_chunk(w_rows, offs_k, mask_n, K, EVEN_K)
         x = _operand_chunk(x_rows, x2_rows, NW, rstd, offs_k, mask_m, K, EVEN_K, SILU_MUL, NORM, RESIDUAL, UPCAST, SOFT_BF16)
         acc = tl.dot(w.to(x.dtype), tl.trans(x), acc, input_precision=PRECISION)  # [BLOCK_N, 16]
+        if GATED:
+            wu = _weight_chunk(wu_rows, offs_k, mask_n, K, EVEN_K)
+            acc_u = tl.dot(wu.to(x.dtype), tl.trans(x), acc_u, input_precision=PRECISION)
     y_ptrs = Y + rows[None, :] * stride_ym + offs_n[:, None]  # [BLOCK_N, 16]
     y_mask = mask_n[:, None] & mask_m[None, :]
+    if GATED:  # both products rounded as the fused product's output would be, then silu(g) * u
+        g = _round(acc, DTYPE, SOFT_BF16).to(tl.float32)
+        u = _round(acc_u, DTYPE, SOFT_BF16).to(tl.float32)
+        acc = g / (1.0 + tl.exp(-g)) * u  # rounded once by the store
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
@@ -239,7 +260,10 @@ def _check_config(config: dict) -> dict[str, int]:
     return cfg
 
 
-def _check_operands(what: str, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+def _check_operands(what: str, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None,
+                    n_out: int | None = None) -> torch.Tensor:  # fmt: skip
+    """Refuse operands the kernel does not take; returns ``out`` or a new ``[M, n_out]`` one
+    (``n_out``: the weight's rows when None)."""
     if x.device.type != "cuda" and not interpreting():
         raise InputError(f"{what}: x is on {x.device}; the kernel needs a CUDA device, or Triton's CPU interpreter "
                          "(TRITON_INTERPRET=1 set before importing attngraph) for CPU tensors")  # fmt: skip
@@ -255,7 +279,7 @@ def _check_operands(what: str, x: torch.Tensor, weight: torch.Tensor, out: torch
                          f"with strides {tuple(weight.stride())}")  # fmt: skip
     if weight.dtype != x.dtype or weight.device != x.device:
         raise InputError(f"{what}: weight is {weight.dtype} on {weight.device}, x {x.dtype} on {x.device}; they must match")
-    n = weight.shape[0]
+    n = weight.shape[0] if n_out is None else n_out
     if out is None:
         return torch.empty((m, n), dtype=x.dtype, device=x.device)
     if tuple(out.shape) != (m, n) or out.dtype != x.dtype or out.device != x.device or (m and n > 1 and out.stride(1) != 1):
@@ -276,23 +300,26 @@ def rope_fits(head_dim: int) -> bool:
 
 
 def _launch(x, x2, weight, bias, out, config, silu_mul: bool, norm_weight=None, eps: float = 0.0, h_out=None,
-            rope=None) -> torch.Tensor:  # fmt: skip
+            rope=None, gated: bool = False) -> torch.Tensor:  # fmt: skip
     """Launch the kernel for validated operands (``x``, ``x2``: ``[M, K]``; ``out``: ``[M, N]``;
     with ``norm_weight`` ``[K]`` the RMSNorm prologue, of ``x + x2`` into ``h_out`` when ``x2``
     is given; with ``rope`` = `rope.check_rope_columns`'s result the rotation of the
-    first columns)."""
+    first columns; ``gated``: ``weight`` is ``[2N, K]``, gate rows then up rows, and ``out``
+    receives ``silu(gate) * up``)."""
     m, k = x.shape
-    n = weight.shape[0]
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
     norm = norm_weight is not None
     residual = norm and x2 is not None
     if residual and m and (n == 0 or k == 0):  # no launch: the residual stream still
         h_out.copy_((x.float() + x2.float()).to(x.dtype))
     if m == 0 or n == 0:
         return out
-    if k == 0:  # an empty sum: the bias alone
+    if k == 0:  # an empty sum: the bias alone (gated: silu(0) * 0)
         return out.copy_(bias.expand(m, n)) if bias is not None else out.zero_()
-    cfg = default_config(n, k) if config is None else _check_config(config)
+    cfg = default_config(weight.shape[0], k) if config is None else _check_config(config)
     block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    if gated:  # a program reads the tuned tile's weight rows, half gate and half up, in one K range
+        block_n, cfg["SPLIT_K"] = max(block_n // 2, MIN_BLOCK_N), 1
     rope_cos, rope_sin, rope_cols = rope if rope is not None else (x, x, 0)  # tensors read with ROPE only
     rope_d = rope_cos.shape[1] if rope is not None else 2
     if rope is not None:  # a column block holds whole pairs of one head
@@ -310,7 +337,7 @@ def _launch(x, x2, weight, bias, out, config, silu_mul: bool, norm_weight=None, 
     norm_weight = norm_weight if norm else x  # read with NORM only
     upcast = x.dtype == torch.bfloat16 and interpreting()  # the interpreter's bf16 tl.dot (decode_attention.dot_options)
     use_pdl = pdl.enabled(x.device)
-    prefetch = use_pdl and weight_prefetch.enabled(x.device)
+    prefetch = use_pdl and weight_prefetch.enabled(x.device) and not gated
     guard = torch.cuda.device(x.device) if x.is_cuda and x.device.index != torch.cuda.current_device() else nullcontext()
     with guard:
         _skinny_dot_kernel[(blocks, split_k)](
@@ -321,7 +348,7 @@ def _launch(x, x2, weight, bias, out, config, silu_mul: bool, norm_weight=None, 
             BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, EVEN_K=k % block_k == 0,
             HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm, RESIDUAL=residual, UPCAST=upcast, PRECISION="ieee" if upcast else "tf32",
             SOFT_BF16=upcast, USE_PDL=use_pdl, PREFETCH=prefetch, LINE=min(weight_prefetch.line_elements(weight), block_k),
-            ROPE=rope is not None, ROPE_D=rope_d,
+            ROPE=rope is not None, ROPE_D=rope_d, GATED=gated,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch_options(use_pdl),
         )  # fmt: skip
     return out
@@ -364,6 +391,25 @@ def skinny_dot_silu_mul_linear(a: torch.Tensor, b: torch.Tensor, weight: torch.T
         raise InputError(f"{what}: b must be contiguous in its last dimension; got strides {tuple(b.stride())}")
     refuse_overlap(what, {"out": out}, {"a": a, "b": b})
     return _launch(a, b, weight, None, out, config, silu_mul=True)
+
+
+def skinny_dot_gated_linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None,
+                            config: dict | None = None) -> torch.Tensor:  # fmt: skip
+    """A gated MLP's activation from its fused gate/up weight on tensor cores, in one launch:
+    ``silu(x @ W[:I]^T) * (x @ W[I:]^T)`` for ``x: [M, K]`` (``M <= 16``; rows any stride
+    apart, unit stride along K; bf16 or fp16) and ``weight: [2I, K]`` contiguous -> ``[M, I]``.
+    Each product is accumulated in fp32 and rounded to the dtype, then ``silu(g) * u`` is
+    computed in fp32 and rounded once: the bits of `skinny_dot_linear` followed by
+    `attngraph.skinny_linear.silu_mul` on its halves. ``out``: an ``[M, I]`` tensor to write
+    (unit stride along I), None: a new one; ``config``: the tile of the fused weight (a program
+    takes half its ``BLOCK_N`` rows from each half, K unsplit; `default_config` of ``[2I, K]``
+    when None)."""
+    what = "skinny_dot_gated_linear"
+    if weight.dim() != 2 or weight.shape[0] % 2:
+        raise InputError(f"{what}: weight must be [2I, K], the gate rows then the up rows; got {tuple(weight.shape)}")
+    out = _check_operands(what, x, weight, out, n_out=weight.shape[0] // 2)
+    refuse_overlap(what, {"out": out}, {"x": x})
+    return _launch(x, None, weight, None, out, config, silu_mul=False, gated=True)
 
 
 def skinny_dot_rms_norm_linear(

@@ -198,7 +198,7 @@ PDL_LABELS = {"on": "", "ours": " pdl=attngraph kernels only", "off": " pdl=off"
 #: The switches a row combines, in the order of its variant tuple (``--variant`` names them so).
 VARIANT_SWITCHES = ("backends", "skinny", "fold_rms_norm", "pdl", "one_row_limit", "dot", "prefetch", "dot_fold_norm",
                     "dot_min_rows", "fold_rope", "l2_prefetch_mlp", "norm_epilogue", "gemv_table", "decode_block_n",
-                    "decode_min_split", "fuse_o", "decode_merge_chunk")  # fmt: skip
+                    "decode_min_split", "fuse_o", "decode_merge_chunk", "gated_mlp")  # fmt: skip
 
 #: ``--loops``: generate keywords per decoding loop.
 LOOPS = {"chunks": {}, "steps": {"logits_processor": transformers.LogitsProcessorList([_KeepScores()])}}
@@ -365,6 +365,9 @@ def main() -> None:
     p.add_argument("--decode-merge-chunk", default="default",
                    help="splits whose partials the Triton decode kernel's merging program loads together: default "
                         "(decode_attention.merge_chunk's choice) and/or counts, comma-separated")  # fmt: skip
+    p.add_argument("--gated-mlp", default="default",
+                   help="CompileConfig.fuse_gated_mlp (a gated MLP as one op: SiLU * up in the tensor-core gate/up "
+                        "product's epilogue at 3-16 rows): default (the config's), on and/or off, comma-separated")  # fmt: skip
     p.add_argument("--fuse-o", default="default",
                    help="CompileConfig.fuse_attention_o (attention and the output projection as one op; one launch "
                         "for a decode step of one request on Triton): default (the config's), off and/or on, on-sN "
@@ -407,6 +410,8 @@ def main() -> None:
     if bad := [v for v in args.decode_block_n.split(",") if v != "default" and not (v.isdigit() and int(v) >= 16
                                                                                    and int(v) & (int(v) - 1) == 0)]:
         p.error(f"--decode-block-n takes 'default' or powers of two >= 16; got {', '.join(bad)}")
+    if bad := [v for v in args.gated_mlp.split(",") if v not in ("default", "on", "off")]:
+        p.error(f"--gated-mlp takes default, on and/or off; got {', '.join(bad)}")
     if bad := [v for v in args.decode_merge_chunk.split(",") if v != "default" and not (v.isdigit() and 1 <= int(v) <= 64)]:
         # the kernel unrolls its merge loop this many times
         p.error(f"--decode-merge-chunk takes 'default' or split counts from 1 to 64; got {', '.join(bad)}")
@@ -467,7 +472,7 @@ def main() -> None:
                     except Exception as exc:
                         add("HF static cache + torch.compile", b, error=f"{type(exc).__name__}: {exc}"[:500])
                     torch._dynamo.reset()
-        variants = [(name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn, dms, fo, mc) for name in args.backends.split(",") if name
+        variants = [(name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn, dms, fo, mc, gm) for name in args.backends.split(",") if name
                     for skinny in args.skinny.split(",") for fold in args.fold_rms_norm.split(",") for pdl in args.pdl.split(",")
                     for limit in args.one_row_limit.split(",") for dot in args.dot.split(",")
                     for pf in args.prefetch.split(",") for dfold in args.dot_fold_norm.split(",")
@@ -475,14 +480,14 @@ def main() -> None:
                     for l2 in args.l2_prefetch_mlp.split(",") for ne in args.norm_epilogue.split(",")
                     for gt in args.gemv_table.split(",") for dbn in args.decode_block_n.split(",")
                     for dms in args.decode_min_split.split(",") for fo in args.fuse_o.split(",")
-                    for mc in args.decode_merge_chunk.split(",")]  # fmt: skip
+                    for mc in args.decode_merge_chunk.split(",") for gm in args.gated_mlp.split(",")]  # fmt: skip
         if variant_specs:  # --variant: the named rows only, in their order
             variants = variant_specs
 
         def apply(variant: tuple) -> tuple[str, dict]:
             """Set the module settings of ``variant`` (read at compile and capture); its label and
             `attngraph.accelerate`'s keywords."""
-            name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn, dms, fo, mc = variant
+            name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn, dms, fo, mc, gm = variant
             label = f"attngraph[{name}]" + ("" if skinny == "on" else " skinny_linears=False") + PDL_LABELS[pdl]
             label += "" if fold == "on" else " fold_rms_norm=False"
             label += "" if limit == "default" else f" one-row GEMV <= {limit}"
@@ -498,6 +503,7 @@ def main() -> None:
             label += "" if dms == "default" else f" decode-min-split={dms}"
             label += "" if fo == "default" else f" fuse-o={fo}"
             label += "" if mc == "default" else f" decode-merge-chunk={mc}"
+            label += "" if gm == "default" else f" gated-mlp={gm}"
             # the constructor's default, read when accelerate makes the backend
             triton_backend.TritonBackend.__init__.__kwdefaults__["min_split_len"] = (
                 min_split_default if dms == "default" else int(dms))  # fmt: skip
@@ -510,6 +516,8 @@ def main() -> None:
                 options["fold_norm_epilogue"] = ne == "on"
             if fo != "default":
                 options["fuse_attention_o"] = fo != "off"
+            if gm != "default":
+                options["fuse_gated_mlp"] = gm == "on"
             on = FUSE_O.fullmatch(fo)  # the fused launch's splits and weight rows per program (read at capture)
             triton_backend.TritonBackend.fused_o_max_splits = int(on.group(2)) if on and on.group(2) else None
             triton_backend.TritonBackend.fused_o_block_o = int(on.group(4)) if on and on.group(4) else 4

@@ -39,6 +39,8 @@ def test_defaults_are_valid_and_frozen():
         (dict(fold_rope="on"), "fold_rope must be None"),
         (dict(fold_norm_epilogue=True, fold_rms_norm=False), "set fold_rms_norm=True with it"),
         (dict(fold_norm_epilogue="on"), "fold_norm_epilogue must be True or False"),
+        (dict(fuse_gated_mlp=True, fold_rms_norm=False), "set fold_rms_norm=True with it"),
+        (dict(fuse_gated_mlp=1), "fuse_gated_mlp must be True or False"),
     ],
 )
 def test_bad_values_raise_at_construction(kwargs, needle):

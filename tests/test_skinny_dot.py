@@ -83,6 +83,44 @@ def test_silu_mul_with_one_tensor_twice_is_not_a_plain_product(device):
     assert_close_to_reference(y, h, w, None, slack=silu_mul_slack(h, w))
 
 
+def gated_operands(seed: int, m: int, inter: int, k: int, dtype, device):
+    """``x: [m, k]`` and a fused gate/up weight ``[2 * inter, k]`` whose products spread over
+    SiLU's curved range (scaled up: both signs, values past a few units)."""
+    x, w, _ = make(seed, m, 2 * inter, k, dtype, device)
+    return x, (w.float() * 3).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("m,inter,k,c", [(3, 80, 96, cfg(32, 32)), (16, 64, 100, cfg(64, 32, split=4)), (7, 48, 64, None)],
+                         ids=["tails", "split_asked", "default_tile"])  # fmt: skip
+def test_gated_equals_the_product_then_silu_mul(device, dtype, m, inter, k, c):
+    """The activation in the epilogue: the bits of the product (the tile's half, K unsplit)
+    followed by `silu_mul` on its halves, and within rounding of ``silu(g) * u`` in fp64."""
+    x, w = gated_operands(m * 7 + inter, m, inter, k, dtype, device)
+    out = torch.full((m, inter), float("nan"), dtype=dtype, device=device)
+    sd.skinny_dot_gated_linear(x, w, out=out, config=c)
+    half = sd._check_config(c or sd.default_config(2 * inter, k))
+    half.update(BLOCK_N=max(half["BLOCK_N"] // 2, sd.MIN_BLOCK_N), SPLIT_K=1)
+    y = sd.skinny_dot_linear(x, w, config=half)
+    assert torch.equal(out, skinny_linear.silu_mul(y[:, :inter], y[:, inter:]))
+    g, u = (x.double() @ w[:inter].double().T), (x.double() @ w[inter:].double().T)
+    ref = F.silu(g) * u
+    bound = 4 * (2.0**-8 if dtype == torch.bfloat16 else 2.0**-11) * (ref.abs() + (x.double().abs() @ w.double().abs().T)[:, :inter])
+    assert ((out.double() - ref).abs() <= bound).all()
+    assert not torch.equal(out, y[:, :inter])  # not the plain product
+
+
+def test_gated_refusals(device):
+    x, w, _ = make(2, 4, 64, 32, torch.bfloat16, device)
+    with pytest.raises(InputError, match=r"\[2I, K\]"):
+        sd.skinny_dot_gated_linear(x, w[:63])
+    with pytest.raises(InputError, match="out must be"):
+        sd.skinny_dot_gated_linear(x, w, out=torch.empty(4, 64, dtype=torch.bfloat16, device=device))
+    xs = torch.randn(4, 64, dtype=torch.bfloat16, device=device)
+    with pytest.raises(InputError, match="out overlaps x"):
+        sd.skinny_dot_gated_linear(xs, torch.randn(128, 64, dtype=torch.bfloat16, device=device), out=xs)
+
+
 def test_the_default_configs_are_valid():
     for n, k in PROJECTIONS + [(37, 100), (5, 7000), (70000, 64)]:
         c = sd.default_config(n, k)
@@ -152,6 +190,33 @@ def test_ops_route_3_to_16_rows_to_tensor_cores(kernel_ops, monkeypatch):
     assert len(calls) == 2
 
 
+@pytest.mark.parametrize("m", [2, 5, 17])
+def test_gated_mlp_op_equals_the_ops_it_replaces(kernel_ops, monkeypatch, m):
+    """`add_rms_norm_gated_mlp`: at 3-16 rows the norm, the gated tensor-core launch and the down
+    product (the residual stream bit-equal, the output within a rounding of the separate ops';
+    the gate/up tile differs); at 2 rows (the GEMV's folds) and 17 (torch) exactly the ops."""
+    gated = []
+    launch = sd._launch
+    monkeypatch.setattr(sd, "_launch", lambda *a, **kw: gated.append(kw.get("gated", False)) or launch(*a, **kw))
+    gen = torch.Generator().manual_seed(m)
+    x, r = ((torch.randn(m, 64, generator=gen) * 2).to(torch.bfloat16).to(kernel_ops) for _ in range(2))
+    nw = (torch.rand(64, generator=gen) + 0.5).to(torch.bfloat16).to(kernel_ops)
+    w_gu = (torch.randn(2 * 96, 64, generator=gen) / 4).to(torch.bfloat16).to(kernel_ops)
+    w_down = (torch.randn(48, 96, generator=gen) / 10).to(torch.bfloat16).to(kernel_ops)
+    out, h = linear_ops.add_rms_norm_gated_mlp(x, r, nw, 1e-5, w_gu, w_down)
+    took_gated = any(gated)
+    y, h_ref = linear_ops.add_rms_norm_linear(x, r, nw, 1e-5, w_gu)
+    ref = linear_ops.silu_mul_linear(y[:, :96], y[:, 96:], w_down)
+    assert torch.equal(h, h_ref) and out.shape == ref.shape and not out.isnan().any()
+    assert took_gated == (3 <= m <= 16)
+    if took_gated:
+        torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    else:
+        assert torch.equal(out, ref)
+    with pytest.raises(InputError, match=r"\[2I, K\]"):
+        linear_ops.add_rms_norm_gated_mlp(x, r, nw, 1e-5, w_gu[:191], w_down)
+
+
 def test_ops_keep_fp32_and_heads_off_tensor_cores(kernel_ops, monkeypatch):
     monkeypatch.setattr(sd, "_launch", lambda *a, **kw: pytest.fail("tensor-core kernel launched"))
     x, w, _ = make(2, 8, 48, 64, torch.float32, kernel_ops)
@@ -171,6 +236,21 @@ def test_projection_shapes_on_the_gpu(n, k):
         a, bb = x, make(n + m + 1, m, n, k, torch.bfloat16, "cuda")[0]
         h = linear_ops.silu_mul(a, bb)
         assert_close_to_reference(sd.skinny_dot_silu_mul_linear(a, bb, w), h, w, None, slack=silu_mul_slack(h, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inter,k", [(8192, 2048), (4096, 4096)], ids=["1b", "odd_shape"])
+def test_gated_at_projection_shapes_on_the_gpu(inter, k):
+    """The 1B gate/up's tuned tile (and a heuristic one): the product's bits, then silu_mul."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    for m in (3, 16):
+        x, w = gated_operands(inter + m, m, inter, k, torch.bfloat16, "cuda")
+        out = sd.skinny_dot_gated_linear(x, w)
+        half = sd.default_config(2 * inter, k)
+        half.update(BLOCK_N=max(half["BLOCK_N"] // 2, sd.MIN_BLOCK_N), SPLIT_K=1)
+        y = sd.skinny_dot_linear(x, w, config=half)
+        assert torch.equal(out, skinny_linear.silu_mul(y[:, :inter], y[:, inter:]))
 
 
 @pytest.mark.gpu

@@ -24,6 +24,7 @@ from ..passes.fold_rms_norm import fold_rms_norm
 from ..passes.fold_rope import fold_rope
 from ..passes.fold_rope_linear import fold_rope_linear
 from ..passes.fuse_attention_o import fuse_attention_o
+from ..passes.fuse_gated_mlp import fuse_gated_mlp
 from ..passes.skinny_linears import skinny_linears
 from ..passes.token_mixing import TokenMixingOp, check_token_mixing
 from ..forward_context import ForwardContext, use_forward_context
@@ -80,6 +81,7 @@ class AttnGraphBackend:
         self.skinny_results: list = []  # a passes.skinny_linears.SkinnyResult per paged graph rewritten
         self.norm_results: list = []  # a passes.fold_rms_norm.FoldNormResult per paged graph rewritten
         self.norm_epilogue_results: list = []  # a passes.fold_norm_epilogue.FoldNormEpilogueResult per graph rewritten
+        self.gated_mlp_results: list = []  # a passes.fuse_gated_mlp.FuseGatedMlpResult per graph rewritten
         self.rope_results: list = []  # a passes.fold_rope.FoldRopeResult per paged graph rewritten
         self.rope_linear_results: list = []  # a passes.fold_rope_linear.FoldRopeLinearResult per graph rewritten
         self.attention_o_results: list = []  # a passes.fuse_attention_o.FuseAttentionOResult per graph rewritten
@@ -150,6 +152,8 @@ class AttnGraphBackend:
             self.norm_results.append(fold_rms_norm(gm))
             if self.config.fold_norm_epilogue:
                 self.norm_epilogue_results.append(fold_norm_epilogue(gm))
+            if self.config.fuse_gated_mlp:
+                self.gated_mlp_results.append(fuse_gated_mlp(gm))
         return gm
 
     def _fold_rope(self, gm: fx.GraphModule) -> fx.GraphModule:

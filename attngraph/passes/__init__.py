@@ -9,6 +9,7 @@
 >>> skinny_linears(gm)                  # linears -> attngraph's GEMV ops, SiLU * up into down
 >>> fold_rms_norm(gm)                   # then: RMSNorm (+ residual add) into the GEMV reading it
 >>> fold_norm_epilogue(gm)              # or, before a cuBLAS product, into the GEMV before it
+>>> fuse_gated_mlp(gm)                  # a gated MLP as one op: SiLU * up in the gate/up epilogue
 >>> fold_rope(gm)                       # paged: HF's rotary embedding of q and k into the attention op
 >>> fold_rope_linear(gm)                # then on into the q/k/v projection whose columns q and k are
 """
@@ -20,6 +21,7 @@ from .fold_norm_epilogue import FoldNormEpilogueResult, fold_norm_epilogue
 from .fold_rms_norm import FoldNormResult, fold_rms_norm
 from .fold_rope import FoldRopeResult, fold_rope
 from .fold_rope_linear import FoldRopeLinearResult, fold_rope_linear
+from .fuse_gated_mlp import FuseGatedMlpResult, fuse_gated_mlp
 from .fuse_linears import FuseResult, fuse_linears
 from .lower_attention import ATTENTION_OP, lower_attention
 from .mask_analysis import MaskPattern, NotProvable, analyze_mask
@@ -46,6 +48,8 @@ __all__ = [
     "fold_rope",
     "FoldRopeLinearResult",
     "fold_rope_linear",
+    "FuseGatedMlpResult",
+    "fuse_gated_mlp",
     "FuseResult",
     "fuse_linears",
     "lower_attention",

@@ -302,3 +302,29 @@ def test_attention_fused_with_output_projection_on_gpu(arch, monkeypatch):
         plain = model.generate(ids[:rows], attention_mask=mask[:rows], max_new_tokens=96, do_sample=False, pad_token_id=0,
                                eos_token_id=None)  # fmt: skip
         assert torch.equal(plain, out.sequences)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gated_mlp_fused_on_gpu(arch, monkeypatch):
+    """``fuse_gated_mlp=True``: each layer's MLP is one op; decode steps of four requests (the
+    tensor-core kernel's rows) form SiLU * up in the gate/up product's epilogue (captured in
+    the batch-4 graph), a batch of one runs the GEMV's folds as before. Teacher-forced against
+    HF eager, and the own loop's tokens equal HF's loop's."""
+    from attngraph import skinny_dot
+
+    gated = []
+    launch = skinny_dot._launch
+    monkeypatch.setattr(skinny_dot, "_launch", lambda *a, **kw: gated.append(kw.get("gated", False)) or launch(*a, **kw))
+    model = model_of(arch)
+    reference = copy.deepcopy(model)
+    attngraph.accelerate(model, attention_backend="triton", page_size=16, kv_cache_tokens=8192, cuda_graph_capture_sizes=(1, 2, 4),
+                         fuse_gated_mlp=True)  # fmt: skip
+    results = state_of(model).runner.ragged.backend.gated_mlp_results
+    assert results and all(len(r.fused) == model.config.num_hidden_layers and not r.refused for r in results), [r.refused for r in results]
+    assert any(gated)  # the batch-4 graph captured the gated launch
+    ids, mask = batch(model.config.vocab_size)
+    for rows in (4, 1):
+        out = generate_teacher_forced(model, reference, ids[:rows], mask[:rows], 96)
+        plain = model.generate(ids[:rows], attention_mask=mask[:rows], max_new_tokens=96, do_sample=False, pad_token_id=0,
+                               eos_token_id=None)  # fmt: skip
+        assert torch.equal(plain, out.sequences)
