@@ -182,7 +182,10 @@ class CompileConfig:
         ``attngraph.add_rms_norm_gated_mlp``). At the rows the tensor-core kernel takes
         (3-16) SiLU * up is formed in the gate/up product's epilogue, so no SiLU-mul kernel
         runs and half the product's output is written; at other row counts the op runs the
-        ops it replaces.
+        ops it replaces. Off by default: tested on the CPU (Triton's interpreter runs the gated
+        kernel in the paged runtime) but not yet run or timed on a GPU, where a batch-16 1B step
+        spends 1.25 us a layer exposed on the SiLU-mul kernel it removes (H100,
+        ``benchmarks/results/decode_kernels_fold_rope_b16_h100_2026-12-06.json``).
     fuse_attention_o:
         Paged runtime: each attention op whose output reaches only the output projection
         (through HF's reshapes) and that projection become one op, ``attngraph.attention_o``

@@ -19,6 +19,8 @@
 #   bash benchmarks/run_gpu.sh targets # the decode step's defaults against the floor: 1B and 8B at
 #                                      # batches 1 and 16 (Triton), then the 1B batch-1 step's kernels
 #                                      # by exposed time (about 4 minutes)
+#   bash benchmarks/run_gpu.sh gated-mlp  # CompileConfig.fuse_gated_mlp: its gpu tests, then the 1B steps of
+#                                      # batches 16 and 4 with and without it, interleaved (about 4 minutes)
 #   QUICK=1 ...                        # shorter benchmark: quick kernel shapes, batch 1 only
 set -u
 OUT=${OUT:-benchmarks/results}
@@ -105,5 +107,12 @@ if [ "$stage" = targets ]; then
     timeout 100 python3 benchmarks/profile_kernels.py --shape 1b --backend triton --tokens "" --decode-batch 1 \
         --out "$OUT/decode_kernels.json" 2>&1 | tr '\r' '\n' | grep -v "size/s" > "$OUT/decode_kernels.log"
     echo "profile_kernels rc=${PIPESTATUS[0]}" >> "$OUT/device.txt"
+fi
+if [ "$stage" = gated-mlp ]; then
+    TEST_TIMEOUT=150 gpu_tests gated tests/test_skinny_dot.py tests/runtime/test_generate_gpu.py -k gated
+    timeout 240 python3 benchmarks/bench_generate.py --shapes 1b --batches 16,4 --backends triton --repeats 5 --interleave \
+        --variant default --variant gated-mlp=on --variant default --variant gated-mlp=on \
+        --out "$OUT/generate_gated_mlp.json" 2>&1 | tr '\r' '\n' | grep -v "it/s\|s/it\|size/s" > "$OUT/generate_gated_mlp.log"
+    echo "bench_generate rc=${PIPESTATUS[0]}" >> "$OUT/device.txt"
 fi
 echo "done" >> "$OUT/device.txt"

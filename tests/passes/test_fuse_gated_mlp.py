@@ -150,3 +150,50 @@ def test_accelerated_generate_with_the_fused_mlp_equals_hf(arch):
     results = state_of(model).runner.ragged.backend.gated_mlp_results
     layers = model.config.num_hidden_layers
     assert results and all(len(r.fused) == layers and not r.refused for r in results)
+
+
+def test_the_gated_kernel_runs_in_the_paged_runtime(monkeypatch, poison_empty):
+    """bf16 on the CPU with the kernels in Triton's interpreter: decode steps of three requests
+    run the gated tensor-core launch (and no SiLU-mul kernel), and every step's logits stay
+    within bf16 rounding of the same model without the fusion (the same kernels otherwise)."""
+    import copy
+
+    import attngraph
+    from attngraph import skinny_dot, skinny_linear
+
+    from ..hf_models import build_model
+    from ..runtime.test_generate import left_padded_batch
+
+    if not skinny_linear.interpreting() or skinny_linear.interpreter_problem() is not None:
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1 before import; tests/conftest.py sets it)")
+    monkeypatch.setattr(linear_ops, "CPU_INTERPRETER", True)
+    launches = []
+    launch, silu_mul = skinny_dot._launch, skinny_linear.silu_mul
+    monkeypatch.setattr(skinny_dot, "_launch", lambda x, *a, **kw: launches.append((x.shape[0], kw.get("gated", False))) or launch(x, *a, **kw))
+    monkeypatch.setattr(skinny_linear, "silu_mul", lambda a, b: launches.append((a.shape[0], "silu_mul")) or silu_mul(a, b))
+    model = build_model("llama", "sdpa", seed=5).to(torch.bfloat16)
+    plain = copy.deepcopy(model)
+    common = dict(attention_backend="torch_native", page_size=4, skinny_linears=True)
+    attngraph.accelerate(model, fuse_gated_mlp=True, **common)
+    attngraph.accelerate(plain, **common)
+    ids, mask = left_padded_batch(model.config.vocab_size)
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None,
+              return_dict_in_generate=True, output_logits=True)  # fmt: skip
+    del launches[:]
+    got = model.generate(ids, **kw)
+    fused_launches = list(launches)
+    del launches[:]
+    want = plain.generate(ids, **kw)
+    assert (3, True) in fused_launches and (3, "silu_mul") not in fused_launches
+    assert (3, "silu_mul") in launches and not any(g is True for _, g in launches)
+    layers = model.config.num_hidden_layers
+    assert sum(1 for rows, g in fused_launches if rows == 3 and g is True) == layers * 3  # three decode steps
+    scale = max(t.abs().max().item() for t in want.logits)
+    start, compared = ids.shape[1], 0
+    for i, (g, w) in enumerate(zip(got.logits, want.logits)):
+        assert not g.isnan().any()
+        if not torch.equal(got.sequences[:, : start + i], want.sequences[:, : start + i]):
+            break  # a bf16 near-tie chose another token: later steps have other inputs
+        assert (g.float() - w.float()).abs().max().item() <= 0.05 * scale
+        compared += 1
+    assert compared >= 2  # the prefill's logits and at least the first decode step's
