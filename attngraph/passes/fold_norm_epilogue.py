@@ -53,13 +53,6 @@ class FoldNormEpilogueResult:
     refused: list[tuple[str, str]] = field(default_factory=list)
 
 
-def _weight_shape(node) -> tuple[int, int] | None:
-    val = fu.example_value(node)
-    if not isinstance(val, torch.Tensor) or val.dim() != 2 or not all(isinstance(s, int) for s in val.shape):
-        return None
-    return int(val.shape[0]), int(val.shape[1])
-
-
 def _identity_of(node) -> fx.Node | None:
     """``x`` for an eval-mode dropout of it, ``F.dropout(x, p, False, False)`` (Phi-3's
     ``resid_attn_dropout`` between the projection and the sum), else None."""
@@ -97,8 +90,8 @@ def _reason(op: fx.Node) -> str | tuple[fx.Node, fx.Node, list[fx.Node]] | None:
         return "the projection or the consumer rotates columns"
     if any(len(n.users) != 1 for n in (producer, *between)):
         return f"{producer.name}'s product is read elsewhere too"
-    consumer_w = _weight_shape(op.args[4])
-    producer_w = _weight_shape(producer.args[1])
+    consumer_w = fu.matrix_shape(op.args[4])
+    producer_w = fu.matrix_shape(producer.args[1])
     if consumer_w is None or producer_w is None:
         return "a weight has no static [N, K] shape"
     if linear_ops.gemv_may_serve(*consumer_w):

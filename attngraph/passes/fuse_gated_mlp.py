@@ -55,13 +55,6 @@ class FuseGatedMlpResult:
     refused: list[tuple[str, str]] = field(default_factory=list)
 
 
-def _static_shape(node) -> tuple[int, int] | None:
-    val = fu.example_value(node)
-    if not isinstance(val, torch.Tensor) or val.dim() != 2 or not all(isinstance(s, int) for s in val.shape):
-        return None
-    return int(val.shape[0]), int(val.shape[1])
-
-
 def _last_dim_narrow(node) -> tuple[fx.Node, int, int] | None:
     """``(source, start, length)`` for ``node = source.narrow(-1, start, length)``, else None."""
     if not (isinstance(node, fx.Node) and node.op == "call_method" and node.target == "narrow" and not node.kwargs):
@@ -100,7 +93,7 @@ def _match(down: fx.Node, order: dict) -> tuple[fx.Node, list[fx.Node]] | str:
     rows_down = down.args[3] if len(down.args) > 3 else linear_ops.ANY_ROWS
     if rows_gate_up != rows_down or down.kwargs:
         return "the two products compute different rows"
-    w_gate_up, w_down = _static_shape(gate_up.args[4]), _static_shape(down.args[2])
+    w_gate_up, w_down = fu.matrix_shape(gate_up.args[4]), fu.matrix_shape(down.args[2])
     if w_gate_up is None or w_down is None:
         return "a weight has no static [N, K] shape"
     if w_gate_up[0] != 2 * a_len or w_down[1] != a_len:

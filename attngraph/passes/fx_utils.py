@@ -93,6 +93,15 @@ def example_value(node: Any) -> Any:
     return None
 
 
+def matrix_shape(node: Any) -> tuple[int, int] | None:
+    """``(rows, columns)`` of a node whose example is a matrix of static sizes (a weight),
+    else None."""
+    val = example_value(node)
+    if not isinstance(val, torch.Tensor) or val.dim() != 2 or not all(isinstance(s, int) for s in val.shape):
+        return None
+    return int(val.shape[0]), int(val.shape[1])
+
+
 def graph_fake_mode(graph: fx.Graph):
     """The fake mode of the graph's own example values (Dynamo's tracing mode), or None.
 
