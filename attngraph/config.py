@@ -151,7 +151,9 @@ class CompileConfig:
         --variant default --variant fold-rope=on``,
         ``benchmarks/results/generate_fold_rope_{1b,8b}_h100_2026-12-06.json``). Before the
         decode kernel's merge and gate/up changes of that day it had lost on an H200 at batch
-        1 (0.981 against 0.962 ms).
+        1 (0.981 against 0.962 ms). Prefill steps (1-8 requests of 128-4096 tokens) took the
+        same time with it and without it (``benchmarks/bench_prefill.py --fold-rope on,off,on``,
+        ``benchmarks/results/prefill_fold_rope_h100_2026-12-06.json``).
     fold_rope_linear:
         With `fold_rope` (required): where q and k are the first output columns of one
         attngraph projection (a fused q/k/v), the rotation moves on from the attention op into
