@@ -182,6 +182,7 @@ def _skinny_dot_kernel(
         # before finishes; x only after gdc_wait (see attngraph.pdl).
         offs_k = k_lo + tl.arange(0, BLOCK_K)
         w = _weight_chunk(w_rows, offs_k, mask_n, K, EVEN_K)
+        wu = w  # the up rows' tile, loaded with GATED only
         if GATED:
             wu = _weight_chunk(wu_rows, offs_k, mask_n, K, EVEN_K)
         if PREFETCH:
