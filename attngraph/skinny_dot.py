@@ -16,6 +16,12 @@ tall side of the tensor-core tile:
 * ``NORM`` (``RESIDUAL``): HF's RMSNorm of ``x`` (``+ residual``) formed as each chunk is
   loaded, after every program has read all of ``x`` for the rows' statistics: no launch of its
   own (`skinny_dot_rms_norm_linear`; the ops use it where `linear_ops.DOT_FOLD_NORM` is set);
+  with ``SS_PARTS`` the statistics are read as partial sums of squares instead (a producer's
+  column blocks could write them). Correct, but the norm in the loads is what costs: on an
+  H100 at 16 rows the 1B q/k/v took 16.3 us with the sums given, 18.8 with every program's
+  pass over x, 8.8 for the norm's own launch followed by the plain kernel (gate/up: 29.6,
+  33.7, 26.4; ``benchmarks/bench_skinny_gemm.py --dot --dot-default --norm``), so no op
+  uses it;
 * ``ROPE``: a fused q/k/v projection's first columns leave rotated by HF's rotate-half RoPE
   (`passes.fold_rope_linear`), with `skinny_linear`'s column layout and epilogue;
 * ``GATED``: a gated MLP's fused gate/up projection ``W = [W_gate; W_up]`` (``[2I, K]``) leaves
@@ -63,6 +69,8 @@ __all__ = ["MAX_ROWS", "MIN_BLOCK_N", "TUNED", "default_config", "rope_fits", "s
 
 #: Rows of ``x`` one launch takes (the tensor-core tile's narrow side).
 MAX_ROWS = 16
+#: Most partial sums of squares `skinny_dot_rms_norm_linear` adds (an unrolled loop per program).
+MAX_SUM_SQUARE_PARTS = 128
 #: ``(N, K) -> config``, the fastest at 4 and 16 rows on an H200 (bf16, a CUDA graph of calls
 #: on distinct weight copies; `benchmarks/bench_skinny_gemm.py --dot`):
 TUNED: dict[tuple[int, int], dict[str, int]] = {
@@ -131,14 +139,26 @@ def _store(Y, y_ptrs, y_mask, acc, Cos, Sin, rows, mask_m, offs_n, mask_n, dims,
 
 
 @triton.jit
+def _rstd_of_parts(SS, stride_ssp, rows, mask_m, K, eps, SS_PARTS: tl.constexpr):
+    """``rsqrt(mean(h^2) + eps)`` per row ``[16]`` from ``SS_PARTS`` partial sums of ``h^2``
+    (fp32 ``SS: [SS_PARTS, >= M]``, rows ``stride_ssp`` apart), summed in their order: the
+    rows' statistics without reading ``h`` (`_rms_rstd`'s formula)."""
+    ss = tl.zeros([16], dtype=tl.float32)
+    for p in tl.static_range(SS_PARTS):
+        ss += tl.load(SS + p * stride_ssp + rows, mask=mask_m, other=0.0)
+    return 1.0 / tl.sqrt(ss / K + eps)
+
+
+@triton.jit
 def _skinny_dot_kernel(
-    X, X2, W, Bias, Y, Part, Counters, NW, H, Cos, Sin,
+    X, X2, W, Bias, Y, Part, Counters, NW, H, Cos, Sin, SS,
     M, N, K, k_per_split, eps, rope_cols,
-    stride_xm, stride_x2m, stride_wn, stride_ym, stride_hm, stride_cm, stride_sm,
+    stride_xm, stride_x2m, stride_wn, stride_ym, stride_hm, stride_cm, stride_sm, stride_ssp,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, SOFT_BF16: tl.constexpr, USE_PDL: tl.constexpr,
     PREFETCH: tl.constexpr, LINE: tl.constexpr, ROPE: tl.constexpr, ROPE_D: tl.constexpr, GATED: tl.constexpr,
+    SS_PARTS: tl.constexpr,
 ):  # fmt: skip
     """``Y[:M] = h @ W^T (+ Bias)``, ``h = X``, ``silu(X) * X2`` or, with ``NORM``, ``NW *
     rmsnorm(X)`` (HF's RMSNorm, ``eps``) or, with ``RESIDUAL`` too, of ``X + X2``, whose rows
@@ -154,7 +174,9 @@ def _skinny_dot_kernel(
     rope_cols)`` leave rotated, as in `skinny_linear`'s kernel (its column layout and epilogue,
     on the transposed tile). ``GATED`` (``SPLIT_K == 1``, no bias, rotation or prefetch): W is
     ``[2N, K]``, gate rows then up rows, and ``Y[:M] = silu(g) * u`` with ``g``, ``u`` the
-    products of the two halves, each rounded to the dtype first."""
+    products of the two halves, each rounded to the dtype first. ``SS_PARTS > 0`` (with
+    ``NORM``, without ``RESIDUAL``): the rows' statistics are the sum of ``SS_PARTS`` partial
+    sums of ``X``'s squares (`_rstd_of_parts`), read instead of all of ``X``."""
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns = weight rows
     rows = tl.arange(0, 16)  # [16] rows of x, the first M real
@@ -189,13 +211,17 @@ def _skinny_dot_kernel(
             prefetch_rows_l2(W, offs_n, N, stride_wn, k_lo + BLOCK_K, k_hi, BLOCK_N, BLOCK_K, LINE)
         gdc_wait()
         gdc_launch_dependents()
-        if NORM:  # the rows' statistics need all of x: every program reads it (from L2)
+        if NORM and SS_PARTS > 0:  # the statistics from partial sums: no pass over x
+            rstd = _rstd_of_parts(SS, stride_ssp, rows, mask_m, K, eps, SS_PARTS)
+        elif NORM:  # the rows' statistics need all of x: every program reads it (from L2)
             rstd = _rms_rstd(x_rows, x2_rows, h_rows, K, eps, mask_m, h_count, 16, BLOCK_K, RESIDUAL, DTYPE, SOFT_BF16)
         x = _operand_chunk(x_rows, x2_rows, NW, rstd, offs_k, mask_m, K, EVEN_K, SILU_MUL, NORM, RESIDUAL, UPCAST, SOFT_BF16)
         acc = tl.dot(w.to(x.dtype), tl.trans(x), acc, input_precision=PRECISION)
         if GATED:
             acc_u = tl.dot(wu.to(x.dtype), tl.trans(x), acc_u, input_precision=PRECISION)
         k_first = k_lo + BLOCK_K
+    elif NORM and SS_PARTS > 0:
+        rstd = _rstd_of_parts(SS, stride_ssp, rows, mask_m, K, eps, SS_PARTS)
     elif NORM:
         rstd = _rms_rstd(x_rows, x2_rows, h_rows, K, eps, mask_m, h_count, 16, BLOCK_K, RESIDUAL, DTYPE, SOFT_BF16)
     for k0 in range(k_first, k_hi, BLOCK_K):
@@ -301,12 +327,13 @@ def rope_fits(head_dim: int) -> bool:
 
 
 def _launch(x, x2, weight, bias, out, config, silu_mul: bool, norm_weight=None, eps: float = 0.0, h_out=None,
-            rope=None, gated: bool = False) -> torch.Tensor:  # fmt: skip
+            rope=None, gated: bool = False, sum_squares=None) -> torch.Tensor:  # fmt: skip
     """Launch the kernel for validated operands (``x``, ``x2``: ``[M, K]``; ``out``: ``[M, N]``;
     with ``norm_weight`` ``[K]`` the RMSNorm prologue, of ``x + x2`` into ``h_out`` when ``x2``
     is given; with ``rope`` = `rope.check_rope_columns`'s result the rotation of the
     first columns; ``gated``: ``weight`` is ``[2N, K]``, gate rows then up rows, and ``out``
-    receives ``silu(gate) * up``)."""
+    receives ``silu(gate) * up``; ``sum_squares``: ``[P, M]`` fp32 partial sums of ``x``'s
+    squares, the norm's statistics)."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     norm = norm_weight is not None
@@ -336,6 +363,8 @@ def _launch(x, x2, weight, bias, out, config, silu_mul: bool, norm_weight=None, 
     x2 = x2 if x2 is not None else x  # read with SILU_MUL or RESIDUAL only
     h_out = h_out if h_out is not None else x  # written with RESIDUAL only
     norm_weight = norm_weight if norm else x  # read with NORM only
+    ss_parts = 0 if sum_squares is None else sum_squares.shape[0]
+    sum_squares = sum_squares if sum_squares is not None else part  # read with SS_PARTS > 0 only
     upcast = x.dtype == torch.bfloat16 and interpreting()  # the interpreter's bf16 tl.dot (decode_attention.dot_options)
     use_pdl = pdl.enabled(x.device)
     prefetch = use_pdl and weight_prefetch.enabled(x.device) and not gated
@@ -343,13 +372,13 @@ def _launch(x, x2, weight, bias, out, config, silu_mul: bool, norm_weight=None, 
     with guard:
         _skinny_dot_kernel[(blocks, split_k)](
             x, x2, weight, bias if bias is not None else weight, out, part, counters, norm_weight, h_out, rope_cos, rope_sin,
-            m, n, k, k_per_split, float(eps), rope_cols,
+            sum_squares, m, n, k, k_per_split, float(eps), rope_cols,
             x.stride(0), x2.stride(0), weight.stride(0), out.stride(0), h_out.stride(0), rope_cos.stride(0),
-            rope_sin.stride(0),
+            rope_sin.stride(0), sum_squares.stride(0) if ss_parts else 0,
             BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, EVEN_K=k % block_k == 0,
             HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm, RESIDUAL=residual, UPCAST=upcast, PRECISION="ieee" if upcast else "tf32",
             SOFT_BF16=upcast, USE_PDL=use_pdl, PREFETCH=prefetch, LINE=min(weight_prefetch.line_elements(weight), block_k),
-            ROPE=rope is not None, ROPE_D=rope_d, GATED=gated,
+            ROPE=rope is not None, ROPE_D=rope_d, GATED=gated, SS_PARTS=ss_parts,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch_options(use_pdl),
         )  # fmt: skip
     return out
@@ -427,6 +456,7 @@ def skinny_dot_rms_norm_linear(
     rope_cos: torch.Tensor | None = None,
     rope_sin: torch.Tensor | None = None,
     rope_cols: int = 0,
+    sum_squares: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``F.linear(rms_norm(h), weight, bias)`` on tensor cores with HF's RMSNorm folded into the
     operand's loads (no launch of its own): ``h = x`` or, with ``residual``, ``h = x +
@@ -439,12 +469,25 @@ def skinny_dot_rms_norm_linear(
     None -> ``[M, N]``. ``h_out``: ``[M, K]`` (a new one when None and ``residual`` is given).
     ``out``, ``config``, ``rope_cos``, ``rope_sin``, ``rope_cols``: as for `skinny_dot_linear`.
     Every program reads all of ``h`` for the rows' statistics (from L2: ``M * K`` elements per
-    program).
+    program), unless ``sum_squares`` gives them: ``[P, M]`` fp32 (``P >= 1``, unit stride along
+    M), partial sums of ``x``'s squares over disjoint column ranges (``sum_p sum_squares[p, m]
+    = sum_k x[m, k]^2``), added in ``p`` order; only without ``residual``. Its values are
+    trusted: the sums a producer wrote for exactly this ``x``.
     """
     what = "skinny_dot_rms_norm_linear"
     out = _check_operands(what, x, weight, out)
     h_out = check_norm_operands(what, x, residual, h_out, norm_weight, bias, weight.shape[0])
+    if sum_squares is not None:
+        m = x.shape[0]
+        if residual is not None:
+            raise InputError(f"{what}: sum_squares gives the statistics of x itself; add the residual first "
+                             "(or pass residual without sum_squares)")  # fmt: skip
+        if (sum_squares.dim() != 2 or not 1 <= sum_squares.shape[0] <= MAX_SUM_SQUARE_PARTS or sum_squares.shape[1] != m
+                or sum_squares.dtype != torch.float32 or sum_squares.device != x.device
+                or (m > 1 and sum_squares.stride(1) != 1)):  # fmt: skip
+            raise InputError(f"{what}: sum_squares must be a float32 [P, {m}] tensor (1 <= P <= {MAX_SUM_SQUARE_PARTS}) on {x.device}, unit stride "
+                             f"along the rows; got {sum_squares.dtype} {tuple(sum_squares.shape)} on {sum_squares.device}")  # fmt: skip
     rope = check_rope_columns(what, x, weight.shape[0], rope_cos, rope_sin, rope_cols)
     refuse_overlap(what, {"out": out, "h_out": h_out}, {"x": x, "residual": residual})
     return _launch(x, residual, weight, bias, out, config, silu_mul=False, norm_weight=norm_weight, eps=eps, h_out=h_out,
-                   rope=rope)  # fmt: skip
+                   rope=rope, sum_squares=sum_squares)  # fmt: skip

@@ -21,6 +21,7 @@ call, launch gaps included.
     python benchmarks/bench_skinny_gemm.py --quick   # ~12 configurations per shape, a few minutes
     python benchmarks/bench_skinny_gemm.py --quick --norm --rows 1   # + RMSNorm folded into q/k/v, gate/up
     python benchmarks/bench_skinny_gemm.py --dot --rows 4,16 --no-gemv   # + the tensor-core kernel (3-16 rows)
+    python benchmarks/bench_skinny_gemm.py --dot --dot-default --norm --rows 16 --no-gemv --shapes 1b   # + RMSNorm variants
 
 ``--dot`` adds `attngraph.skinny_dot` (3-16 rows on tensor cores, SiLU * up folded for the down
 projection) at its default configuration and the best of a small sweep (`DOT_SWEEP`), beside
@@ -227,17 +228,43 @@ DOT_SWEEP = [dict(BLOCK_N=bn, BLOCK_K=128, SPLIT_K=sk, num_warps=4, num_stages=s
              for bn, sk, st in itertools.product((64, 128), (1, 2, 4), (3, 4, 6))]  # fmt: skip
 
 
-def time_dot(x, ws, out, ref, n: int, k: int, gate_up=None) -> dict:
-    """`skinny_dot` at ``default_config`` and over `DOT_SWEEP` (configs whose split leaves a
-    chunk per split); with ``gate_up = (g, u)`` the SiLU * up fold (``ref`` of that product)."""
+def time_dot(x, ws, out, ref, n: int, k: int, gate_up=None, sweep: bool = True) -> dict:
+    """`skinny_dot` at ``default_config`` and (``sweep``) over `DOT_SWEEP` (configs whose split
+    leaves a chunk per split); with ``gate_up = (g, u)`` the SiLU * up fold (``ref`` of that
+    product)."""
     if gate_up is None:
         run = lambda w, cfg: skinny_dot.skinny_dot_linear(x, w, out=out, config=cfg)  # noqa: E731
     else:
         run = lambda w, cfg: skinny_dot.skinny_dot_silu_mul_linear(*gate_up, w, out=out, config=cfg)  # noqa: E731
     base = skinny_dot.default_config(n, k)
-    sweep = [base] + [c for c in DOT_SWEEP if k >= c["SPLIT_K"] * c["BLOCK_K"] and c != base]
-    _, timings = time_gemv(run, ws, out, ref, sweep)  # the launcher's own pick is sweep[0]
+    configs = [base] + [c for c in DOT_SWEEP if sweep and k >= c["SPLIT_K"] * c["BLOCK_K"] and c != base]
+    _, timings = time_gemv(run, ws, out, ref, configs)  # the launcher's own pick is sweep[0]
     return dict(default=timings[0], default_config=base, best=fastest(timings), timings=timings)
+
+
+def time_dot_norm(x, ws, out, m: int, k: int, column_block: int = 64) -> dict:
+    """A residual add + RMSNorm in front of the tensor-core kernel, three ways (default
+    configs): the norm kernel then the plain product; the norm folded with every program's pass
+    over the rows for their statistics (`skinny_dot_rms_norm_linear` with a residual); the norm
+    folded with the statistics read as partial sums of squares, one per ``column_block``
+    columns (what a producer's column blocks would write), over the summed rows ``h``."""
+    r = torch.randn_like(x)
+    nw = torch.randn(k, device=x.device, dtype=x.dtype) * 0.1 + 1.0
+    eps, h_out = 1e-5, torch.empty_like(x)
+    normed, h = add_rms_norm(x, nw, eps, r)
+    ss = h.float().pow(2).view(m, -1, column_block).sum(-1).t().contiguous()  # [k / column_block, m]
+    want = skinny_dot.skinny_dot_linear(normed, ws[0])
+    got = skinny_dot.skinny_dot_rms_norm_linear(h, nw, eps, ws[0], sum_squares=ss)
+    return dict(
+        norm_then_dot_us=round(time_calls([lambda w=w: skinny_dot.skinny_dot_linear(add_rms_norm(x, nw, eps, r)[0], w, out=out)
+                                           for w in ws]), 2),  # fmt: skip
+        fold_us=round(time_calls([lambda w=w: skinny_dot.skinny_dot_rms_norm_linear(x, nw, eps, w, residual=r, out=out,
+                                                                                     h_out=h_out) for w in ws]), 2),  # fmt: skip
+        sum_squares_us=round(time_calls([lambda w=w: skinny_dot.skinny_dot_rms_norm_linear(h, nw, eps, w, out=out, sum_squares=ss)
+                                         for w in ws]), 2),  # fmt: skip
+        parts=ss.shape[0],
+        max_abs_diff_vs_norm_then_dot=(got.float() - want.float()).abs().max().item(),
+    )
 
 
 def main() -> None:
@@ -255,8 +282,11 @@ def main() -> None:
     p.add_argument("--inductor", action="store_true",
                    help="also inductor at static shapes (coordinate-descent tuning) and attngraph's exact-count compile")
     p.add_argument("--norm", action="store_true",
-                   help="also q/k/v and gate/up behind a residual add + RMSNorm: one norm launch + cuBLAS against the fold")
+                   help="also q/k/v and gate/up behind a residual add + RMSNorm: one norm launch + cuBLAS against the fold "
+                        "(with --dot also on tensor cores: norm kernel + product, the fold, the fold given partial sums "
+                        "of squares)")
     p.add_argument("--dot", action="store_true", help="also the tensor-core kernel (attngraph.skinny_dot) at 3-16 rows")
+    p.add_argument("--dot-default", action="store_true", help="with --dot: its default configuration only, no sweep")
     p.add_argument("--no-gemv", action="store_true", help="skip the GEMV's sweeps (with --dot: cuBLAS and the tensor-core kernel)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -355,13 +385,20 @@ def main() -> None:
                     normed_row = None
                 dot = None
                 if args.dot and DOT_MIN_ROWS <= m <= skinny_dot.MAX_ROWS and name != "lm_head":  # heads stay cuBLAS's
-                    dot = {"plain": time_dot(x, ws, out, ref, n, k)}
+                    dot = {"plain": time_dot(x, ws, out, ref, n, k, sweep=not args.dot_default)}
                     line = f"| {shape} | {name} | {n} x {k} | {m} | {floor_us:.2f} | {cublas:.2f} | {us_of(dot['plain']['default']):.2f} | " \
                            f"{us_of(dot['plain']['best']):.2f} | {config_str(dot['plain']['best'])} |"
                     dot_lines.append(line)
+                    if args.norm and name in ("qkv", "gate_up"):
+                        dot["norm"] = time_dot_norm(x, ws, out, m, k)
+                        nd = dot["norm"]
+                        dot_lines.append(f"| {shape} | add+rmsnorm -> {name} | {n} x {k} | {m} | {floor_us:.2f} | "
+                                         f"norm kernel + dot {nd['norm_then_dot_us']:.2f} | folded, statistics pass "
+                                         f"{nd['fold_us']:.2f} | from {nd['parts']} sums of squares {nd['sum_squares_us']:.2f} | |")  # fmt: skip
                     if gated is not None:
                         h = (F.silu(g.float()) * u.float()).to(torch.bfloat16)
-                        dot["silu_mul"] = time_dot(x, ws, out, F.linear(h.float(), ws[0].float()), n, k, gate_up=(g, u))
+                        dot["silu_mul"] = time_dot(x, ws, out, F.linear(h.float(), ws[0].float()), n, k, gate_up=(g, u),
+                                                   sweep=not args.dot_default)
                         dot_lines.append(f"| {shape} | silu(gate)*up -> down | {n} x {k} | {m} | {floor_us:.2f} | "
                                          f"eager {gated['eager_us']:.2f} | {us_of(dot['silu_mul']['default']):.2f} | "
                                          f"{us_of(dot['silu_mul']['best']):.2f} | {config_str(dot['silu_mul']['best'])} |")  # fmt: skip

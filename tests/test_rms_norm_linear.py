@@ -202,6 +202,40 @@ def test_dot_norm_linear_equals_norm_then_dot(device):
     assert torch.equal(folded, sd.skinny_dot_linear(normed, w, b, config=dot_config(16, 32, split=2)))
 
 
+def _sum_square_parts(x: torch.Tensor, parts: int) -> torch.Tensor:
+    """``[parts, M]`` fp32 sums of ``x``'s squares over consecutive, uneven column ranges (a
+    producer's column blocks; the last range may be empty)."""
+    cuts = torch.linspace(0, x.shape[1] + 5, parts + 1).long().clamp(max=x.shape[1]).tolist()
+    return torch.stack([x[:, a:b].float().pow(2).sum(1) for a, b in zip(cuts, cuts[1:])]).contiguous()
+
+
+@pytest.mark.parametrize("parts", [1, 5, 32])
+@pytest.mark.parametrize("m", [3, 16])
+@pytest.mark.parametrize("split", [1, 2])
+def test_dot_norm_linear_from_sum_square_parts(device, parts, m, split):
+    """The rows' statistics given as partial sums of squares (no pass over ``x``): the products
+    of HF's RMSNorm as with the pass, and the sums are read (wrong sums change the output)."""
+    x, _, nw, w, b = make_norm(parts + m + split, m, 37, 100, torch.bfloat16, device, bias=True)
+    eps = 1e-5
+    ss = _sum_square_parts(x, parts)
+    cfg = dot_config(16, 32, split=split)
+    y = sd.skinny_dot_rms_norm_linear(x, nw, eps, w, b, config=cfg, sum_squares=ss)
+    normed = hf_norm(x, nw, eps)
+    assert_close_to_reference(y, normed, w, b, norm_slack(normed, w))
+    halved = sd.skinny_dot_rms_norm_linear(x, nw, eps, w, config=cfg, sum_squares=ss * 4.0)  # rstd halved
+    assert_close_to_reference(halved, normed * 0.5, w, None, norm_slack(normed, w))
+
+
+def test_dot_norm_linear_sum_square_parts_refusals(device):
+    x, r, nw, w, _ = make_norm(17, 3, 32, 64, torch.bfloat16, device)
+    ss = _sum_square_parts(x, 4)
+    with pytest.raises(InputError, match="add the residual first"):
+        sd.skinny_dot_rms_norm_linear(x, nw, 1e-6, w, residual=r, sum_squares=ss)
+    for bad in (ss.double(), ss[:, :2], ss.t(), ss[:0], torch.zeros(sd.MAX_SUM_SQUARE_PARTS + 1, 3, device=device)):
+        with pytest.raises(InputError, match="sum_squares must be a float32"):
+            sd.skinny_dot_rms_norm_linear(x, nw, 1e-6, w, sum_squares=bad)
+
+
 def test_dot_norm_launcher_refusals(device):
     x, r, nw, w, _ = make_norm(16, 3, 32, 64, torch.bfloat16, device)
     with pytest.raises(InputError, match="residual must match"):

@@ -2,7 +2,8 @@
 
 * CPU: the GEMV (`attngraph.skinny_linear`: plain, SiLU * up with split K, residual + RMSNorm
   with a bias) and the tensor-core kernel (`attngraph.skinny_dot`: split K; residual + RMSNorm
-  with a bias; a gated MLP's gate/up with SiLU * up in the epilogue) compiled for sm_90 with Triton's ptxas (`tests/sm90_compile.py`): with
+  with a bias; RMSNorm from partial sums of squares; a gated MLP's gate/up with SiLU * up in
+  the epilogue) compiled for sm_90 with Triton's ptxas (`tests/sm90_compile.py`): with
   ``PREFETCH`` every ``prefetch.global.L2`` precedes ``griddepcontrol.wait``; with or without
   it the weight's loads are 16-byte vectors and nothing spills.
 * CPU: the bulk prefetch kernel of `prefetch_bytes_l2` compiled for sm_90 issues
@@ -28,9 +29,9 @@ GEMV_TYPES = {**{p: "*bf16" for p in ("X", "X2", "W", "Bias", "Y", "NW", "H", "C
               "Counters": "*i32", "eps": "fp32"}  # fmt: skip
 DOT = dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, EVEN_K=True, HAS_BIAS=False, SILU_MUL=False, NORM=False,
            RESIDUAL=False, UPCAST=False, PRECISION="tf32", SOFT_BF16=False, USE_PDL=True, LINE=64, ROPE=False,
-           ROPE_D=2, GATED=False)  # fmt: skip
+           ROPE_D=2, GATED=False, SS_PARTS=0)  # fmt: skip
 DOT_TYPES = {**{p: "*bf16" for p in ("X", "X2", "W", "Bias", "Y", "NW", "H", "Cos", "Sin")}, "Part": "*fp32",
-             "Counters": "*i32", "eps": "fp32"}  # fmt: skip
+             "Counters": "*i32", "SS": "*fp32", "eps": "fp32"}  # fmt: skip
 #: Integer arguments Triton's launcher specializes as multiples of 16 at the projections' shapes
 #: (sizes and row strides of 2048-28672; pointers always): the compiled loads are then 16-byte.
 DIVISIBLE = ["N", "K", "k_per_split", "stride_xm", "stride_x2m", "stride_wn", "stride_ym", "stride_hm", "stride_cm",
@@ -56,6 +57,9 @@ CASES = {
     "dot norm residual": ("attngraph.skinny_dot:_skinny_dot_kernel", DOT_TYPES,
                           {**DOT, "SPLIT_K": 1, "NORM": True, "RESIDUAL": True, "HAS_BIAS": True},
                           dict(num_warps=4, num_stages=3)),
+    # the 1B gate/up at 3-16 rows behind an RMSNorm whose statistics are 32 partial sums
+    "dot norm parts": ("attngraph.skinny_dot:_skinny_dot_kernel", DOT_TYPES,
+                       {**DOT, "SPLIT_K": 1, "NORM": True, "SS_PARTS": 32}, dict(num_warps=4, num_stages=3)),
     # the 1B gate/up at 3-16 rows with SiLU * up in the epilogue (half the tuned tile from each half)
     "dot gated": ("attngraph.skinny_dot:_skinny_dot_kernel", DOT_TYPES, {**DOT, "SPLIT_K": 1, "BLOCK_N": 32, "GATED": True},
                   dict(num_warps=4, num_stages=3)),
