@@ -179,15 +179,16 @@ class CompileConfig:
         launch the norm kernel cost 0.56 us a layer, the epilogue's serial tail 0.84
         (``--norm-epilogue on,off``, same results file).
     fuse_gated_mlp:
-        With `fold_rms_norm` (required): each gated MLP whose fused gate/up product follows a
-        residual add + RMSNorm becomes one op (`passes.fuse_gated_mlp`,
+        With `fold_rms_norm`: each gated MLP whose fused gate/up product follows a residual
+        add + RMSNorm becomes one op (`passes.fuse_gated_mlp`,
         ``attngraph.add_rms_norm_gated_mlp``). At the rows the tensor-core kernel takes
         (3-16) SiLU * up is formed in the gate/up product's epilogue, so no SiLU-mul kernel
         runs and half the product's output is written; at other row counts the op runs the
-        ops it replaces. Off by default: tested on the CPU (Triton's interpreter runs the gated
-        kernel in the paged runtime) but not yet run or timed on a GPU, where a batch-16 1B step
-        spends 1.25 us a layer exposed on the SiLU-mul kernel it removes (H100,
-        ``benchmarks/results/decode_kernels_fold_rope_b16_h100_2026-12-06.json``).
+        ops it replaces. ``None`` (the default): on with `fold_rms_norm`; ``True`` requires
+        it. On by default: on an H100 the 1B-shaped decode step ran 16 kernels fewer and
+        faster at batch 4 (1.173-1.174 against 1.187-1.190 ms) and batch 16 (1.197-1.248
+        against 1.260-1.311; ``benchmarks/bench_generate.py --interleave --variant default
+        --variant gated-mlp=on``, ``benchmarks/results/generate_gated_mlp_h100_2026-12-06.json``).
     fuse_attention_o:
         Paged runtime: each attention op whose output reaches only the output projection
         (through HF's reshapes) and that projection become one op, ``attngraph.attention_o``
@@ -257,7 +258,7 @@ class CompileConfig:
     fold_rope: bool | None = None
     fold_rope_linear: bool = False
     fold_norm_epilogue: bool = False
-    fuse_gated_mlp: bool = False
+    fuse_gated_mlp: bool | None = None
     fuse_attention_o: bool = False
     absorb_mla: bool = True
     l2_prefetch_mlp_bytes: int = 0
@@ -304,8 +305,10 @@ class CompileConfig:
             raise ConfigError(f"fold_rope must be None (on unless fuse_attention_o), True or False, got {self.fold_rope!r}")
         if self.skinny_linears is not None and not isinstance(self.skinny_linears, bool):
             raise ConfigError(f"skinny_linears must be None (on for CUDA), True or False, got {self.skinny_linears!r}")
+        if self.fuse_gated_mlp is not None and not isinstance(self.fuse_gated_mlp, bool):
+            raise ConfigError(f"fuse_gated_mlp must be None (on with fold_rms_norm), True or False, got {self.fuse_gated_mlp!r}")
         for fname in ("lower_attention", "deterministic", "fuse_linears", "fold_rms_norm", "fold_rope_linear",
-                      "fold_norm_epilogue", "fuse_gated_mlp", "fuse_attention_o", "absorb_mla"):  # fmt: skip
+                      "fold_norm_epilogue", "fuse_attention_o", "absorb_mla"):  # fmt: skip
             if not isinstance(getattr(self, fname), bool):  # "no" would read as True
                 raise ConfigError(f"{fname} must be True or False, got {getattr(self, fname)!r}")
         if self.fold_rope_linear and not self.resolved_fold_rope:
@@ -357,6 +360,11 @@ class CompileConfig:
     def resolved_fold_rope(self) -> bool:
         """`fold_rope` with ``None`` resolved: on unless `fuse_attention_o`."""
         return self.fold_rope if self.fold_rope is not None else not self.fuse_attention_o
+
+    @property
+    def resolved_fuse_gated_mlp(self) -> bool:
+        """`fuse_gated_mlp` with ``None`` resolved: on with `fold_rms_norm`."""
+        return self.fuse_gated_mlp if self.fuse_gated_mlp is not None else self.fold_rms_norm
 
     def resolved_skinny_linears(self, device_type: str) -> bool:
         return device_type == "cuda" if self.skinny_linears is None else self.skinny_linears

@@ -510,9 +510,10 @@ def linear_add_rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, bias: Option
 def _gated_dot_serves(rows: int, k: int, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
     """Whether ``rows`` rows of a gated MLP run its gate/up product with the activation in the
     tensor-core kernel's epilogue: where the kernel takes both products and the GEMV neither
-    (its own folds serve one and two rows)."""
+    (its own folds serve one and two rows), and `DOT_FOLD_NORM` does not ask for the norm in
+    the product's loads (which the gated launch does not fold: the ops it replaces run then)."""
     inter = w_gate_up.shape[0] // 2
-    return (_use_dot(rows, k, x, w_gate_up) and not _use_kernel(rows, k, x, w_gate_up)
+    return (not DOT_FOLD_NORM and _use_dot(rows, k, x, w_gate_up) and not _use_kernel(rows, k, x, w_gate_up)
             and not _use_kernel(rows, inter, x, w_down, KERNEL_MAX_SILU_MUL_WEIGHT))  # fmt: skip
 
 

@@ -20,7 +20,7 @@
 #                                      # batches 1 and 16 (Triton), then the 1B batch-1 step's kernels
 #                                      # by exposed time (about 4 minutes)
 #   bash benchmarks/run_gpu.sh gated-mlp  # CompileConfig.fuse_gated_mlp: its gpu tests, then the 1B steps of
-#                                      # batches 16 and 4 with and without it, interleaved (about 4 minutes)
+#                                      # batches 16 and 4 with it (the default) and without it, interleaved (about 4 minutes)
 #   QUICK=1 ...                        # shorter benchmark: quick kernel shapes, batch 1 only
 set -u
 OUT=${OUT:-benchmarks/results}
@@ -109,9 +109,9 @@ if [ "$stage" = targets ]; then
     echo "profile_kernels rc=${PIPESTATUS[0]}" >> "$OUT/device.txt"
 fi
 if [ "$stage" = gated-mlp ]; then
-    TEST_TIMEOUT=150 gpu_tests gated tests/test_skinny_dot.py tests/runtime/test_generate_gpu.py -k gated
+    TEST_TIMEOUT=150 gpu_tests gated tests/test_skinny_dot.py tests/runtime/test_generate_gpu.py::test_gated_mlp_fused_on_gpu
     timeout 240 python3 benchmarks/bench_generate.py --shapes 1b --batches 16,4 --backends triton --repeats 5 --interleave \
-        --variant default --variant gated-mlp=on --variant default --variant gated-mlp=on \
+        --variant default --variant gated-mlp=off --variant default --variant gated-mlp=off \
         --out "$OUT/generate_gated_mlp.json" 2>&1 | tr '\r' '\n' | grep -v "it/s\|s/it\|size/s" > "$OUT/generate_gated_mlp.log"
     echo "bench_generate rc=${PIPESTATUS[0]}" >> "$OUT/device.txt"
 fi

@@ -40,7 +40,7 @@ def test_defaults_are_valid_and_frozen():
         (dict(fold_norm_epilogue=True, fold_rms_norm=False), "set fold_rms_norm=True with it"),
         (dict(fold_norm_epilogue="on"), "fold_norm_epilogue must be True or False"),
         (dict(fuse_gated_mlp=True, fold_rms_norm=False), "set fold_rms_norm=True with it"),
-        (dict(fuse_gated_mlp=1), "fuse_gated_mlp must be True or False"),
+        (dict(fuse_gated_mlp=1), "fuse_gated_mlp must be None"),
     ],
 )
 def test_bad_values_raise_at_construction(kwargs, needle):
@@ -97,3 +97,14 @@ def test_fold_rope_defaults_on_unless_attention_and_projection_fuse(kwargs, fold
     """The rotation folds by default; the fused attention + projection kernel does not rotate,
     so asking for it alone keeps the rotation where HF has it, and an explicit value wins."""
     assert CompileConfig(**kwargs).resolved_fold_rope is folded
+
+
+@pytest.mark.parametrize(
+    "kwargs, fused",
+    [({}, True), (dict(fold_rms_norm=False), False), (dict(fuse_gated_mlp=False), False),
+     (dict(fuse_gated_mlp=True), True)],
+)  # fmt: skip
+def test_fuse_gated_mlp_defaults_on_with_the_norm_fold(kwargs, fused):
+    """``None`` (the default) follows `fold_rms_norm`, whose add + RMSNorm op the pass reads, so
+    turning the norm fold off alone is still a valid configuration."""
+    assert CompileConfig(**kwargs).resolved_fuse_gated_mlp is fused

@@ -152,7 +152,7 @@ class AttnGraphBackend:
             self.norm_results.append(fold_rms_norm(gm))
             if self.config.fold_norm_epilogue:
                 self.norm_epilogue_results.append(fold_norm_epilogue(gm))
-            if self.config.fuse_gated_mlp:
+            if self.config.resolved_fuse_gated_mlp:
                 self.gated_mlp_results.append(fuse_gated_mlp(gm))
         return gm
 
