@@ -198,3 +198,44 @@ def test_the_gated_kernel_runs_in_the_paged_runtime(monkeypatch, poison_empty):
         assert (g.float() - w.float()).abs().max().item() <= 0.05 * scale
         compared += 1
     assert compared >= 2  # the prefill's logits and at least the first decode step's
+
+
+def test_speculative_verify_steps_run_the_gated_kernel(monkeypatch, poison_empty):
+    """Prompt-lookup decoding in bf16 with the kernels in Triton's interpreter: the verify
+    steps (three requests, up to five tokens each: 3-16 rows) run the gated tensor-core launch,
+    and the tokens equal those of the same model with the fusion off (the product followed by
+    the SiLU-mul kernel, whose bits the gated epilogue reproduces)."""
+    import copy
+
+    import attngraph
+    from attngraph import skinny_dot, skinny_linear
+
+    from ..hf_models import build_model
+    from ..runtime.test_speculative import PAD, count_rounds, repetitive_batch
+
+    if not skinny_linear.interpreting() or skinny_linear.interpreter_problem() is not None:
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1 before import; tests/conftest.py sets it)")
+    monkeypatch.setattr(linear_ops, "CPU_INTERPRETER", True)
+    gated_rows = []
+    launch = skinny_dot._launch
+    monkeypatch.setattr(skinny_dot, "_launch",
+                        lambda x, *a, **kw: (kw.get("gated") and gated_rows.append(x.shape[0])) or launch(x, *a, **kw))  # fmt: skip
+    model = build_model("llama", "sdpa", seed=3).to(torch.bfloat16)
+    plain = copy.deepcopy(model)
+    common = dict(attention_backend="torch_native", page_size=4, skinny_linears=True)
+    attngraph.accelerate(model, **common)
+    attngraph.accelerate(plain, fuse_gated_mlp=False, **common)
+    ids, mask = repetitive_batch(model.config.vocab_size, seed=4)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=PAD, eos_token_id=None,
+              prompt_lookup_num_tokens=4)  # fmt: skip
+    rounds = count_rounds(monkeypatch)
+    del gated_rows[:]
+    got = model.generate(ids, **kw)
+    assert rounds and max(max(r) for r in rounds) > 1  # candidates were verified
+    verify_rows = {sum(r) for r in rounds if max(r) > 1}
+    assert verify_rows & set(gated_rows), (verify_rows, gated_rows)  # a verify step took the gated launch
+    fused_launches = len(gated_rows)
+    del gated_rows[:]
+    want = plain.generate(ids, **kw)
+    assert fused_launches and not gated_rows
+    assert torch.equal(got, want)
