@@ -24,8 +24,11 @@ call, launch gaps included.
     python benchmarks/bench_skinny_gemm.py --dot --dot-default --norm --rows 16 --no-gemv --shapes 1b   # + RMSNorm variants
 
 ``--dot`` adds `attngraph.skinny_dot` (3-16 rows on tensor cores, SiLU * up folded for the down
-projection) at its default configuration and the best of a small sweep (`DOT_SWEEP`), beside
-cuBLAS, as ``dot`` entries of the JSON and a table of its own.
+projection) at its default configuration and the best of a small sweep (`DOT_SWEEP`;
+``--dot-default``: none), beside cuBLAS, as ``dot`` entries of the JSON and a table of its own;
+the q/k/v also with q and k rotated in the epilogue, alone and behind the norm's launch (a
+batched decode step's), and with ``--norm`` the q/k/v and gate/up behind a residual add +
+RMSNorm three ways (`time_dot_norm`).
 
 Prints a Markdown table (the default and the best configuration per shape and row count),
 writes one JSON object with every timing, and ends with the best configurations as the
@@ -66,6 +69,8 @@ SHAPES = {
     "1b": [("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192), ("lm_head", 128256, 2048)],
     "8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336), ("lm_head", 128256, 4096)],
 }
+#: The fused q/k/v's rotated columns (q and k heads) and head dim per shape.
+ROPE_COLUMNS = {"1b": (2560, 64), "8b": (5120, 128)}
 L2_BYTES = 256 * 2**20  # weight copies per timing: at least this many bytes (H200's L2: 50 MB)
 CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K")
 #: Largest fp32 accumulator (``ROWS x BLOCK_N x BLOCK_K``) per thread a swept config may have.
@@ -267,6 +272,25 @@ def time_dot_norm(x, ws, out, m: int, k: int, column_block: int = 64) -> dict:
     )
 
 
+def time_dot_rope(x, ws, out, rope_cols: int, head_dim: int) -> dict:
+    """The fused q/k/v product with its first ``rope_cols`` columns rotated in the tensor-core
+    kernel's epilogue (`passes.fold_rope_linear`; default configs), alone and behind the
+    residual add + RMSNorm launch (a batched decode step's q/k/v)."""
+    m, k = x.shape
+    angles = torch.rand(m, head_dim // 2, device=x.device) * 6.0
+    cos = torch.cat([angles.cos()] * 2, -1).to(x.dtype)
+    sin = torch.cat([angles.sin()] * 2, -1).to(x.dtype)
+    r = torch.randn_like(x)
+    nw = torch.randn(k, device=x.device, dtype=x.dtype) * 0.1 + 1.0
+    rope = dict(rope_cos=cos, rope_sin=sin, rope_cols=rope_cols)
+    return dict(
+        rope_us=round(time_calls([lambda w=w: skinny_dot.skinny_dot_linear(x, w, out=out, **rope) for w in ws]), 2),
+        norm_then_rope_us=round(time_calls([lambda w=w: skinny_dot.skinny_dot_linear(add_rms_norm(x, nw, 1e-5, r)[0], w,
+                                                                                      out=out, **rope) for w in ws]), 2),
+        rope_cols=rope_cols, head_dim=head_dim,
+    )  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="1b,8b")
@@ -389,6 +413,11 @@ def main() -> None:
                     line = f"| {shape} | {name} | {n} x {k} | {m} | {floor_us:.2f} | {cublas:.2f} | {us_of(dot['plain']['default']):.2f} | " \
                            f"{us_of(dot['plain']['best']):.2f} | {config_str(dot['plain']['best'])} |"
                     dot_lines.append(line)
+                    if name == "qkv":
+                        dot["rope"] = time_dot_rope(x, ws, out, *ROPE_COLUMNS[shape])
+                        dr = dot["rope"]
+                        dot_lines.append(f"| {shape} | {name}, q and k rotated | {n} x {k} | {m} | {floor_us:.2f} | "
+                                         f"behind the norm kernel {dr['norm_then_rope_us']:.2f} | {dr['rope_us']:.2f} | | |")  # fmt: skip
                     if args.norm and name in ("qkv", "gate_up"):
                         dot["norm"] = time_dot_norm(x, ws, out, m, k)
                         nd = dot["norm"]

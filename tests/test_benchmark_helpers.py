@@ -357,3 +357,35 @@ def test_chain_routes_gate_up_as_the_model_and_its_table_keeps_gemv_tiles():
         "plain": {"1,2048,2048": tile(4, 1024)},
         "silu": {"1,2048,8192": tile(4, 1024)},
     }
+
+
+def test_tensor_core_norm_and_rope_timings_run_what_they_name(monkeypatch):
+    """`bench_skinny_gemm.time_dot_norm` and `time_dot_rope` (the interpreter on the CPU, or
+    CUDA) with the CUDA-graph timer replaced by one call of each: the norm from partial sums of
+    squares gives the norm kernel's products, and the calls reach the launches they are named
+    for (the sums, the rotation)."""
+    import torch
+
+    pytest.importorskip("triton")
+    bench = bench_module("bench_skinny_gemm")
+    from attngraph import skinny_dot, skinny_linear
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and (not skinny_dot.interpreting() or skinny_linear.interpreter_problem()):
+        pytest.skip("needs CUDA or Triton's interpreter")
+    launched = []
+    launch = skinny_dot._launch
+    monkeypatch.setattr(skinny_dot, "_launch", lambda *a, **kw: launched.append(
+        ("sums" if kw.get("sum_squares") is not None else "") + ("rope" if kw.get("rope") is not None else "")
+    ) or launch(*a, **kw))  # fmt: skip
+    monkeypatch.setattr(bench, "time_calls", lambda calls: [c() for c in calls] and 1.0)
+    torch.manual_seed(0)
+    x = torch.randn(5, 256, dtype=torch.bfloat16, device=device)
+    ws = [torch.randn(192, 256, dtype=torch.bfloat16, device=device) / 16 for _ in range(2)]
+    out = torch.empty(5, 192, dtype=torch.bfloat16, device=device)
+    norm = bench.time_dot_norm(x, ws, out, 5, 256)
+    assert norm["parts"] == 4 and norm["max_abs_diff_vs_norm_then_dot"] <= 2 ** -6 * out.float().abs().max().item()
+    assert launched.count("sums") == 1 + len(ws)
+    del launched[:]
+    rope = bench.time_dot_rope(x, ws, out, 128, 64)
+    assert rope["rope_us"] == 1.0 and launched == ["rope"] * (2 * len(ws))
