@@ -310,6 +310,7 @@ def main() -> None:
                         "(with --dot also on tensor cores: norm kernel + product, the fold, the fold given partial sums "
                         "of squares)")
     p.add_argument("--dot", action="store_true", help="also the tensor-core kernel (attngraph.skinny_dot) at 3-16 rows")
+    p.add_argument("--dot-heads", action="store_true", help="with --dot: the LM heads on tensor cores too")
     p.add_argument("--dot-default", action="store_true", help="with --dot: its default configuration only, no sweep")
     p.add_argument("--no-gemv", action="store_true", help="skip the GEMV's sweeps (with --dot: cuBLAS and the tensor-core kernel)")
     p.add_argument("--out", default=None)
@@ -408,7 +409,8 @@ def main() -> None:
                 else:
                     normed_row = None
                 dot = None
-                if args.dot and DOT_MIN_ROWS <= m <= skinny_dot.MAX_ROWS and name != "lm_head":  # heads stay cuBLAS's
+                # the heads stay cuBLAS's in the model (`linear_ops.KERNEL_MIN_HEAD_RATIO`); --dot-heads times them too
+                if args.dot and DOT_MIN_ROWS <= m <= skinny_dot.MAX_ROWS and (name != "lm_head" or args.dot_heads):
                     dot = {"plain": time_dot(x, ws, out, ref, n, k, sweep=not args.dot_default)}
                     line = f"| {shape} | {name} | {n} x {k} | {m} | {floor_us:.2f} | {cublas:.2f} | {us_of(dot['plain']['default']):.2f} | " \
                            f"{us_of(dot['plain']['best']):.2f} | {config_str(dot['plain']['best'])} |"

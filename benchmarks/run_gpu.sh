@@ -22,7 +22,8 @@
 #   bash benchmarks/run_gpu.sh gated-mlp  # CompileConfig.fuse_gated_mlp: its gpu tests, then the 1B steps of
 #                                      # batches 16 and 4 with it (the default) and without it, interleaved (about 4 minutes)
 #   bash benchmarks/run_gpu.sh dot-rows  # the tensor-core kernel at 16 and 4 rows alone: plain, q/k/v rotated,
-#                                      # behind the norm's launch or with the norm in its loads (about 2 minutes)
+#                                      # behind the norm's launch or with the norm in its loads, LM heads
+#                                      # (about 2 minutes)
 #   QUICK=1 ...                        # shorter benchmark: quick kernel shapes, batch 1 only
 set -u
 OUT=${OUT:-benchmarks/results}
@@ -118,7 +119,7 @@ if [ "$stage" = gated-mlp ]; then
     echo "bench_generate rc=${PIPESTATUS[0]}" >> "$OUT/device.txt"
 fi
 if [ "$stage" = dot-rows ]; then
-    timeout 300 python3 benchmarks/bench_skinny_gemm.py --dot --dot-default --norm --rows 16,4 --no-gemv --shapes 1b,8b \
+    timeout 300 python3 benchmarks/bench_skinny_gemm.py --dot --dot-default --dot-heads --norm --rows 16,4 --no-gemv --shapes 1b,8b \
         --out "$OUT/skinny_dot_rows.json" > "$OUT/skinny_dot_rows.md" 2>&1
     echo "bench_skinny_gemm rc=$?" >> "$OUT/device.txt"
 fi
