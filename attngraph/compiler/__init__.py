@@ -2,6 +2,6 @@
 
 from .backend import AttnGraphBackend, compile_graph, make_backend, register
 from .explain import explain
-from .report import AttentionReport, SiteReport
+from .report import AttentionReport, RewriteReport, SiteReport
 
-__all__ = ["AttnGraphBackend", "AttentionReport", "SiteReport", "compile_graph", "explain", "make_backend", "register"]
+__all__ = ["AttnGraphBackend", "AttentionReport", "RewriteReport", "SiteReport", "compile_graph", "explain", "make_backend", "register"]

@@ -139,6 +139,7 @@ class AttnGraphBackend:
         copy = fx.GraphModule(gm, graph)
         result = fuse_linears(copy, example_inputs)
         self.fused_linears.append(result)
+        self._record("fuse_linears", result, result.groups)
         return (copy, result.extra_inputs) if result.groups else (gm, [])
 
     def _skinny_linears(self, gm: fx.GraphModule, device_type: str) -> fx.GraphModule:
@@ -147,13 +148,17 @@ class AttnGraphBackend:
         if not (self.config.resolved_skinny_linears(device_type) and self.config.lower_attention):
             return gm
         gm = self._own_copy(gm)
-        self.skinny_results.append(skinny_linears(gm, token_inputs=self.token_inputs, row_index_inputs=self.row_index_inputs))
+        skinny = skinny_linears(gm, token_inputs=self.token_inputs, row_index_inputs=self.row_index_inputs)
+        self.skinny_results.append(self._record("skinny_linears", skinny, skinny.linears))
         if self.config.fold_rms_norm:
-            self.norm_results.append(fold_rms_norm(gm))
+            norm = fold_rms_norm(gm)
+            self.norm_results.append(self._record("fold_rms_norm", norm, norm.folded))
             if self.config.fold_norm_epilogue:
-                self.norm_epilogue_results.append(fold_norm_epilogue(gm))
+                epilogue = fold_norm_epilogue(gm)
+                self.norm_epilogue_results.append(self._record("fold_norm_epilogue", epilogue, epilogue.folded))
             if self.config.resolved_fuse_gated_mlp:
-                self.gated_mlp_results.append(fuse_gated_mlp(gm))
+                gated = fuse_gated_mlp(gm)
+                self.gated_mlp_results.append(self._record("fuse_gated_mlp", gated, gated.fused))
         return gm
 
     def _fold_rope(self, gm: fx.GraphModule) -> fx.GraphModule:
@@ -162,9 +167,11 @@ class AttnGraphBackend:
         if not (self.config.resolved_fold_rope and self.config.lower_attention):
             return gm
         gm = self._own_copy(gm)
-        self.rope_results.append(fold_rope(gm))
+        rope = fold_rope(gm)
+        self.rope_results.append(self._record("fold_rope", rope, rope.folded))
         if self.config.fold_rope_linear:
-            self.rope_linear_results.append(fold_rope_linear(gm))
+            into_linear = fold_rope_linear(gm)
+            self.rope_linear_results.append(self._record("fold_rope_linear", into_linear, into_linear.folded))
         return gm
 
     def _own_copy(self, gm: fx.GraphModule) -> fx.GraphModule:
@@ -183,8 +190,20 @@ class AttnGraphBackend:
         if not (self.config.fuse_attention_o and self.config.lower_attention):
             return gm
         gm = self._own_copy(gm)
-        self.attention_o_results.append(fuse_attention_o(gm))
+        fused = fuse_attention_o(gm)
+        self.attention_o_results.append(self._record("fuse_attention_o", fused, fused.fused))
         return gm
+
+    def _record(self, name: str, result: Any, applied: list) -> Any:
+        """Put what the paged pass ``name`` did (``applied``, ``result.refused``) in the report
+        and the log (a line per pass at INFO, each refusal's reason at DEBUG); returns
+        ``result``."""
+        entry = self.report.add_rewrite(name, applied, result.refused)
+        logger.info("attngraph: graph %d: %s: %d rewritten, %d refused", entry.graph_index, name, len(entry.applied),
+                    len(entry.refused))  # fmt: skip
+        for where, reason in entry.refused:
+            logger.debug("attngraph: %s refused %s: %s", name, where, reason)
+        return result
 
     def _token_mixing(self, gm: fx.GraphModule) -> list[TokenMixingOp]:
         if self.mode != "paged" or not self.token_inputs or not self.config.lower_attention:

@@ -92,6 +92,36 @@ class SiteReport:
         return cls(site.name, site.kind, site.lowered, reason, site.layer_id, graph_index)
 
 
+@dataclass(frozen=True)
+class RewriteReport:
+    """One paged-runtime rewrite pass over one graph: ``name`` (the pass, as in
+    `attngraph.passes`), ``applied`` (what it rewrote: node names, or groups of them joined by
+    "+"), ``refused`` (node name, reason) where it matched in part and left the graph as it was."""
+
+    graph_index: int
+    name: str
+    applied: tuple[str, ...]
+    refused: tuple[tuple[str, str], ...]
+
+    def __str__(self) -> str:
+        line = f"{self.name}: {len(self.applied)} rewritten"
+        if not self.refused:
+            return line
+        by_reason: dict[str, list[str]] = {}
+        for where, reason in self.refused:
+            by_reason.setdefault(reason, []).append(where)
+        line += f", {len(self.refused)} refused"
+        for reason, where in by_reason.items():
+            shown = ", ".join(where[:3]) + (f" and {len(where) - 3} more" if len(where) > 3 else "")
+            line += f"\n    {reason} ({shown})"
+        return line
+
+
+def _names(item) -> str:
+    """A pass result's entry as text: a node name, or a group of names joined by "+"."""
+    return "+".join(map(str, item)) if isinstance(item, (tuple, list)) else str(item)
+
+
 @dataclass
 class AttentionReport:
     """All sites of all graphs a compilation produced (one per Dynamo graph, graph breaks included).
@@ -103,6 +133,7 @@ class AttentionReport:
     sites: list[SiteReport] = field(default_factory=list)
     num_graphs: int = 0
     token_mixing: list[tuple[int, TokenMixingOp]] = field(default_factory=list)
+    rewrites: list[RewriteReport] = field(default_factory=list)
 
     @property
     def num_lowered(self) -> int:
@@ -124,11 +155,32 @@ class AttentionReport:
         self.token_mixing.extend((self.num_graphs, op) for op in token_mixing)
         self.num_graphs += 1
 
+    def add_rewrite(self, name: str, applied, refused) -> RewriteReport:
+        """Record what the pass ``name`` did to the last graph added: ``applied`` (node names
+        or tuples of them), ``refused`` ((node name or names, reason) pairs)."""
+        entry = RewriteReport(self.num_graphs - 1, name, tuple(_names(a) for a in applied),
+                              tuple((_names(w), str(r)) for w, r in refused))  # fmt: skip
+        self.rewrites.append(entry)
+        return entry
+
+    def rewrites_of(self, name: str) -> list[RewriteReport]:
+        """The entries of the pass ``name``, one per graph it ran on."""
+        return [r for r in self.rewrites if r.name == name]
+
     def token_mixing_of(self, graph_index: int) -> list[TokenMixingOp]:
         return [op for g, op in self.token_mixing if g == graph_index]
 
     def __str__(self) -> str:
-        return self._sites_table() + self._token_mixing_table()
+        return self._sites_table() + self._token_mixing_table() + self._rewrites_table()
+
+    def _rewrites_table(self) -> str:
+        if not self.rewrites:
+            return ""
+        rows = ["\nrewrites of the paged runtime's graphs (pass: rewritten, refused with the reason):"]
+        for g in sorted({r.graph_index for r in self.rewrites}):
+            rows.append(f"  graph {g}:")
+            rows += ["    " + str(r).replace("\n", "\n    ") for r in self.rewrites if r.graph_index == g]
+        return "\n".join(rows)
 
     def _token_mixing_table(self) -> str:
         if not self.token_mixing:
