@@ -243,8 +243,13 @@ def time_dot(x, ws, out, ref, n: int, k: int, gate_up=None, sweep: bool = True) 
         run = lambda w, cfg: skinny_dot.skinny_dot_silu_mul_linear(*gate_up, w, out=out, config=cfg)  # noqa: E731
     base = skinny_dot.default_config(n, k)
     configs = [base] + [c for c in DOT_SWEEP if sweep and k >= c["SPLIT_K"] * c["BLOCK_K"] and c != base]
-    _, timings = time_gemv(run, ws, out, ref, configs)  # the launcher's own pick is sweep[0]
+    _, timings = time_gemv(run, ws, out, ref, configs)  # the launcher's own pick is configs[0]
     return dict(default=timings[0], default_config=base, best=fastest(timings), timings=timings)
+
+
+def norm_operands(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual ``[M, K]`` and an RMSNorm weight ``[K]`` (near 1) for the input ``x: [M, K]``."""
+    return torch.randn_like(x), torch.randn(x.shape[1], device=x.device, dtype=x.dtype) * 0.1 + 1.0
 
 
 def time_dot_norm(x, ws, out, m: int, k: int, column_block: int = 64) -> dict:
@@ -253,8 +258,7 @@ def time_dot_norm(x, ws, out, m: int, k: int, column_block: int = 64) -> dict:
     over the rows for their statistics (`skinny_dot_rms_norm_linear` with a residual); the norm
     folded with the statistics read as partial sums of squares, one per ``column_block``
     columns (what a producer's column blocks would write), over the summed rows ``h``."""
-    r = torch.randn_like(x)
-    nw = torch.randn(k, device=x.device, dtype=x.dtype) * 0.1 + 1.0
+    r, nw = norm_operands(x)
     eps, h_out = 1e-5, torch.empty_like(x)
     normed, h = add_rms_norm(x, nw, eps, r)
     ss = h.float().pow(2).view(m, -1, column_block).sum(-1).t().contiguous()  # [k / column_block, m]
@@ -276,12 +280,10 @@ def time_dot_rope(x, ws, out, rope_cols: int, head_dim: int) -> dict:
     """The fused q/k/v product with its first ``rope_cols`` columns rotated in the tensor-core
     kernel's epilogue (`passes.fold_rope_linear`; default configs), alone and behind the
     residual add + RMSNorm launch (a batched decode step's q/k/v)."""
-    m, k = x.shape
-    angles = torch.rand(m, head_dim // 2, device=x.device) * 6.0
+    angles = torch.rand(x.shape[0], head_dim // 2, device=x.device) * 6.0
     cos = torch.cat([angles.cos()] * 2, -1).to(x.dtype)
     sin = torch.cat([angles.sin()] * 2, -1).to(x.dtype)
-    r = torch.randn_like(x)
-    nw = torch.randn(k, device=x.device, dtype=x.dtype) * 0.1 + 1.0
+    r, nw = norm_operands(x)
     rope = dict(rope_cos=cos, rope_sin=sin, rope_cols=rope_cols)
     return dict(
         rope_us=round(time_calls([lambda w=w: skinny_dot.skinny_dot_linear(x, w, out=out, **rope) for w in ws]), 2),
