@@ -222,6 +222,16 @@ class CompileConfig:
         1.050 with 16 MiB against 0.967-0.996 without; 8B batch 1: 4.593 against 4.432;
         ``benchmarks/bench_generate.py --l2-prefetch-mlp``,
         ``benchmarks/results/generate_l2_prefetch_mlp_h200_2026-12-05.json``).
+    l2_prefetch_o:
+        Paged runtime, Triton decode attention on a GPU with programmatic dependent launch:
+        each layer's decode kernel, once the q/k/v projection before it has finished, asks L2
+        for the layer's attention output weight (`runtime.o_prefetch`; bulk prefetches inside
+        the kernel, no launch of their own), so the output projection after attention reads it
+        from L2 while attention leaves the memory idle. A hint that changes no result. Off by
+        default: on an H100 it made decode slower at batch 1 (1B: 1.103 / 1.102 ms against
+        1.097 / 1.096; 8B: 5.788 against 5.727) and tied at batch 16 (``benchmarks/
+        bench_generate.py --variant l2-prefetch-o=on``,
+        ``benchmarks/results/generate_l2_prefetch_o_{1b,8b}_h100_2026-12-06.json``).
     debug_dump_dir:
         Folder for FX graph dumps before/after each pass. The environment variable
         ``ATTNGRAPH_DEBUG=1`` turns dumps on with a temporary folder named in the log.
@@ -262,6 +272,7 @@ class CompileConfig:
     fuse_attention_o: bool = False
     absorb_mla: bool = True
     l2_prefetch_mlp_bytes: int = 0
+    l2_prefetch_o: bool = False
     debug_dump_dir: str | None = None
 
     def __post_init__(self) -> None:
@@ -308,7 +319,7 @@ class CompileConfig:
         if self.fuse_gated_mlp is not None and not isinstance(self.fuse_gated_mlp, bool):
             raise ConfigError(f"fuse_gated_mlp must be None (on with fold_rms_norm), True or False, got {self.fuse_gated_mlp!r}")
         for fname in ("lower_attention", "deterministic", "fuse_linears", "fold_rms_norm", "fold_rope_linear",
-                      "fold_norm_epilogue", "fuse_attention_o", "absorb_mla"):  # fmt: skip
+                      "fold_norm_epilogue", "fuse_attention_o", "absorb_mla", "l2_prefetch_o"):  # fmt: skip
             if not isinstance(getattr(self, fname), bool):  # "no" would read as True
                 raise ConfigError(f"{fname} must be True or False, got {getattr(self, fname)!r}")
         if self.fold_rope_linear and not self.resolved_fold_rope:

@@ -81,20 +81,27 @@ def prefetch_rows_l2(W, offs_n, N, stride_wn, k_from, k_hi, BLOCK_N: tl.constexp
 
 
 @triton.jit
+def bulk_prefetch_l2(ptrs, valid, PIECE: tl.constexpr):
+    """``cp.async.bulk.prefetch.L2`` of ``PIECE`` bytes (a multiple of 16) from each address of
+    ``ptrs`` (16-byte aligned) where ``valid`` holds (same shape). One instruction per element:
+    give it a 1-D tensor of one element per thread (``32 * num_warps``), or each replica of an
+    element issues it again. NVIDIA GPUs of compute capability 9.0 or later only."""
+    sizes = tl.full(ptrs.shape, PIECE, tl.int32)
+    tl.inline_asm_elementwise(
+        "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $3, 0;\n\t@p cp.async.bulk.prefetch.L2.global [$1], $2;"
+        "\n\tmov.u32 $0, 0;\n\t}",
+        "=r,l,r,r", [ptrs, sizes, valid.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
 def _bulk_prefetch_l2_kernel(W, nbytes, BULK: tl.constexpr, PER: tl.constexpr, USE_PDL: tl.constexpr):
     """``cp.async.bulk.prefetch.L2`` of bytes ``[0, nbytes)`` from ``W`` (``nbytes`` a multiple
     of ``BULK``), ``PER`` pieces of ``BULK`` bytes per program. The prefetches read nothing any
     kernel writes, so they are issued before ``gdc_wait``; the wait keeps the stream's order
     (the kernel after this one waits for this one only)."""
-    pid = tl.program_id(0)
-    offs = (pid * PER + tl.arange(0, PER)).to(tl.int64) * BULK
-    offs = tl.minimum(offs, nbytes - BULK)  # the last program's spare lanes repeat the last piece
-    base = W.to(tl.pointer_type(tl.int8))
-    sizes = tl.full([PER], BULK, tl.int32)
-    tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r", [base + offs, sizes],
-        dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
+    offs = (tl.program_id(0) * PER + tl.arange(0, PER)).to(tl.int64) * BULK
+    bulk_prefetch_l2(W.to(tl.pointer_type(tl.int8)) + tl.minimum(offs, nbytes - BULK), offs < nbytes, BULK)
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()

@@ -23,13 +23,13 @@ from .sm90_compile import compile_in_child, ptxas_missing
 DECODE = "attngraph.attn_backends.triton_ops.decode_attention:_decode_stage1_kernel"
 TYPES = {**{p: "*bf16" for p in ("Q", "K", "V", "KNew", "VNew", "Out", "RopeCos", "RopeSin")}, "PartO": "*fp32",
          "PartLse": "*fp32", "Slopes": "*fp32", "Sinks": "*fp32", "ReqToPage": "*i32", "ReqIdx": "*i32",
-         "SeqLens": "*i32", "Counters": "*i32", "NewLoc": "*i64", "Trace": "*i64", "scale": "fp32",
+         "SeqLens": "*i32", "Counters": "*i32", "NewLoc": "*i64", "Trace": "*i64", "L2Next": "*bf16", "scale": "fp32",
          "logit_cap": "fp32"}  # fmt: skip
 #: the 1B decode configuration: heads of 64, 64-key blocks on 4 warps, K/V store, merge, PDL
 CONFIG = dict(GROUP=4, PAGE_SIZE=16, HEAD_DIM=64, V_HEAD_DIM=64, BLOCK_H=16, BLOCK_N=64, BLOCK_D=64, BLOCK_DV=64,
               HAS_CAP=False, UPCAST=False, PRECISION="tf32", HAS_ALIBI=False, HEAD_BLOCKS=1, BLOCK_DT=16,
               HAS_TAIL=False, NEW_KV=True, MERGE=True, HAS_SINKS=False, USE_PDL=True, PREFETCH=True, ROPE=False,
-              SOFT_BF16=False, MERGE_CHUNK=4)  # fmt: skip
+              SOFT_BF16=False, MERGE_CHUNK=4, L2_LANES=0, L2_PIECE=16384)  # fmt: skip
 STRIDES = ["stride_qb", "stride_qh", "stride_ks", "stride_kh", "stride_vs", "stride_vh", "stride_rtp", "stride_knb",
            "stride_vnb", "stride_ob", "stride_oh", "stride_rcb", "stride_rsb"]  # fmt: skip
 

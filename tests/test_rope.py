@@ -177,12 +177,12 @@ def test_kernels_compile_for_hopper_without_spills():
         pytest.skip(why)
     bf16 = ("Q", "K", "V", "KNew", "VNew", "Out", "RopeCos", "RopeSin")
     types = {**{p: "*bf16" for p in bf16}, "PartO": "*fp32", "PartLse": "*fp32", "Slopes": "*fp32", "Sinks": "*fp32",
-             "ReqToPage": "*i32", "ReqIdx": "*i32", "SeqLens": "*i32", "Counters": "*i32", "NewLoc": "*i64",
+             "ReqToPage": "*i32", "ReqIdx": "*i32", "SeqLens": "*i32", "Counters": "*i32", "NewLoc": "*i64", "L2Next": "*bf16",
              "scale": "fp32", "logit_cap": "fp32"}  # fmt: skip
     decode = dict(GROUP=4, PAGE_SIZE=16, HEAD_DIM=64, V_HEAD_DIM=64, BLOCK_H=16, BLOCK_N=64, BLOCK_D=64, BLOCK_DV=64,
                   HAS_CAP=False, UPCAST=False, PRECISION="tf32", HAS_ALIBI=False, HEAD_BLOCKS=1, BLOCK_DT=16,
                   HAS_TAIL=False, NEW_KV=True, MERGE=True, HAS_SINKS=False, USE_PDL=True, PREFETCH=True, ROPE=True,
-                  SOFT_BF16=False, MERGE_CHUNK=4, TRACE=False)  # fmt: skip
+                  SOFT_BF16=False, MERGE_CHUNK=4, TRACE=False, L2_LANES=0, L2_PIECE=16384)  # fmt: skip
     strides = ["stride_qb", "stride_qh", "stride_ks", "stride_kh", "stride_vs", "stride_vh", "stride_rtp", "stride_knb",
                "stride_vnb", "stride_ob", "stride_oh", "stride_rcb", "stride_rsb"]  # fmt: skip
     rope_types = {**{p: "*bf16" for p in ("Q", "K", "Cos", "Sin", "QO", "KO")}}

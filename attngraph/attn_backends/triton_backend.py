@@ -164,6 +164,9 @@ class TritonBackend(AttentionBackend):
         # set_decode_prefetch: layer -> (tensor, bytes) asked into L2 before its decode attention
         self._prefetch_source: "Callable[[int], tuple[torch.Tensor, int] | None] | None" = None
         self._prefetch_ranges: dict[int, tuple[torch.Tensor, int] | None] = {}
+        # set_decode_l2_next: layer -> (tensor, bytes) its decode kernel asks into L2 past its wait
+        self._l2_next_source: "Callable[[int], tuple[torch.Tensor, int] | None] | None" = None
+        self._l2_next_ranges: dict[int, tuple[torch.Tensor, int] | None] = {}
 
     # ------------------------------------------------------------------ planning
     def _sm_count(self, device: torch.device) -> int:
@@ -326,7 +329,8 @@ class TritonBackend(AttentionBackend):
             part_o, part_lse, page_size=pool.page_size, scale=layer.scale, max_splits=splits,
             min_split_len=self.min_split_len, logit_cap=layer.logit_cap, window_left=layer.window_left,
             sinks=layer.sinks, chunk_size=layer.chunk_size, alibi_slopes=_slopes(layer, q),
-            counters=self._counters(bsz * layer.num_q_heads, q.device) if fused else None, **new_kv,
+            counters=self._counters(bsz * layer.num_q_heads, q.device) if fused else None,
+            l2_next=self._l2_next_for(layer.layer_id), **new_kv,
         )  # fmt: skip
 
     def forward_decode_o(self, q, k, v, layer: AttentionLayer, batch: "ForwardBatch", weight: torch.Tensor,
@@ -432,6 +436,24 @@ class TritonBackend(AttentionBackend):
             from ..weight_prefetch import prefetch_bytes_l2
 
             prefetch_bytes_l2(*found)
+
+    def set_decode_l2_next(self, source: "Callable[[int], tuple[torch.Tensor, int] | None] | None") -> None:
+        """Decode attention of layer ``i`` asks L2, once past its programmatic-dependent-launch
+        wait, for ``source(i)``: ``(tensor, bytes)``, the first ``bytes`` of memory from
+        ``tensor``'s start (`decode_attention_fwd`'s ``l2_next``: bulk prefetches inside the
+        kernel, no launch of their own; a hint that changes no result), or None for nothing. The
+        runtime passes each layer's output-projection weight (`runtime.o_prefetch`) when
+        `CompileConfig.l2_prefetch_o` is set; ``source`` is asked once per layer, at its first
+        decode launch (CUDA graphs keep the launch they captured). None: off."""
+        self._l2_next_source = source
+        self._l2_next_ranges = {}
+
+    def _l2_next_for(self, layer_id: int) -> tuple[torch.Tensor, int] | None:
+        if self._l2_next_source is None:
+            return None
+        if layer_id not in self._l2_next_ranges:
+            self._l2_next_ranges[layer_id] = self._l2_next_source(layer_id)
+        return self._l2_next_ranges[layer_id]
 
     def forward_extend(self, q, k, v, layer: AttentionLayer, batch: "ForwardBatch", save_kv_cache: bool = True) -> torch.Tensor:
         """``q: [T, Hq, D]`` ragged by ``batch.qo_indptr`` -> ``[T, Hq, Dv]``.

@@ -304,6 +304,12 @@ class ModelRunner:
                 from .mlp_prefetch import mlp_prefetch_source
 
                 decode.set_decode_prefetch(mlp_prefetch_source(self.model, g.num_layers, self.config.l2_prefetch_mlp_bytes))
+        if self.config.l2_prefetch_o:
+            decode = getattr(self.backend, "decode_backend", self.backend)
+            if hasattr(decode, "set_decode_l2_next"):
+                from .o_prefetch import o_prefetch_source
+
+                decode.set_decode_l2_next(o_prefetch_source(self.model, g.num_layers))
         self.verify_backend = self.backend
         verify = self.config.verify_attention_backend
         if verify is not None:

@@ -42,9 +42,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ... import kernel_clock, pdl
+from ... import kernel_clock, pdl, weight_prefetch
 from ...kernel_clock import now, sm_id, store_record
 from ...pdl import gdc_launch_dependents, gdc_wait
+from ...weight_prefetch import bulk_prefetch_l2
 from ...errors import InputError
 from ...triton_math import rotate_half_rows, round_to
 
@@ -251,8 +252,8 @@ def _attend_block(q, q_tail, kt, kt_tail, v, k_new, k_new_tail, v_new, m_i, l_i,
 @triton.jit(do_not_specialize=["max_splits", "stride_plh"])
 def _decode_stage1_kernel(
     Q, K, V, ReqToPage, ReqIdx, SeqLens, PartO, PartLse, Slopes,
-    KNew, VNew, NewLoc, Out, Sinks, Counters, RopeCos, RopeSin, Trace,
-    scale, logit_cap, window, chunk, max_splits, min_split_len,
+    KNew, VNew, NewLoc, Out, Sinks, Counters, RopeCos, RopeSin, Trace, L2Next,
+    scale, logit_cap, window, chunk, max_splits, min_split_len, l2_pieces,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_rtp,
     stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
     stride_knb, stride_knh, stride_vnb, stride_vnh, stride_ob, stride_oh, stride_rcb, stride_rsb,
@@ -262,7 +263,7 @@ def _decode_stage1_kernel(
     HEAD_BLOCKS: tl.constexpr, BLOCK_DT: tl.constexpr, HAS_TAIL: tl.constexpr,
     NEW_KV: tl.constexpr, MERGE: tl.constexpr, HAS_SINKS: tl.constexpr, USE_PDL: tl.constexpr,
     PREFETCH: tl.constexpr, ROPE: tl.constexpr, SOFT_BF16: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-    TRACE: tl.constexpr,
+    TRACE: tl.constexpr, L2_LANES: tl.constexpr, L2_PIECE: tl.constexpr,
 ):  # fmt: skip
     # TRACE (attngraph.kernel_clock): each program's record in Trace, points 0 entry, 1 past the
     # wait, 2 its split attended, 3 counted on the tile's counter, 4 merged, 5 done.
@@ -314,6 +315,15 @@ def _decode_stage1_kernel(
         if TRACE:
             t1, c1 = now(tl.program_id(0))
     program = (b * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + sid  # the record's row (TRACE)
+    if L2_LANES > 0:
+        # Past the wait the kernel before (the q/k/v projection) has finished streaming its
+        # weight, and this launch reads little: ask L2 for the next projection's weight
+        # (`l2_pieces` pieces of L2_PIECE bytes from L2Next), piece i by lane i // programs of
+        # program i % programs, so every program issues a few. Before any early return.
+        programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+        piece = tl.arange(0, L2_LANES).to(tl.int64) * programs + program
+        bulk_prefetch_l2(L2Next.to(tl.pointer_type(tl.int8)) + tl.minimum(piece, l2_pieces - 1) * L2_PIECE,
+                         piece < l2_pieces, L2_PIECE)  # fmt: skip
     k_new = offs_d  # placeholders without NEW_KV (never read)
     k_new_tail = offs_dt
     v_new = offs_dv
@@ -611,6 +621,26 @@ def _check_new_kv(k_new, v_new, new_loc, k_buffer, v_buffer, bsz: int) -> None:
     check_last_dim_contiguous("v_new", v_new)
 
 
+def l2_next_pieces(l2_next: tuple[torch.Tensor, int] | None, like: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(tensor, pieces)``: the `weight_prefetch.BULK_BYTES` pieces of ``l2_next`` (``(tensor,
+    nbytes)``) that stage 1 asks L2 for; ``(like, 0)`` for none: no ``l2_next``, one on another
+    device than ``like``, or fewer bytes than a piece."""
+    if l2_next is None or l2_next[0].device != like.device:
+        return like, 0
+    pieces = weight_prefetch.prefetchable_bytes(*l2_next) // weight_prefetch.BULK_BYTES
+    return (l2_next[0], pieces) if pieces else (like, 0)
+
+
+def l2_lanes(pieces: int, programs: int, num_warps: int) -> int:
+    """Prefetch lanes per stage-1 program for ``pieces`` pieces over ``programs`` programs: 0 for
+    none, else one per thread (each issues at most one piece per lane, `bulk_prefetch_l2`) times
+    the power of two that covers them all."""
+    if pieces <= 0:
+        return 0
+    threads = 32 * num_warps
+    return threads * triton.next_power_of_2(triton.cdiv(pieces, threads * programs))
+
+
 def decode_attention_fwd(
     q: torch.Tensor,
     k_buffer: torch.Tensor,
@@ -638,6 +668,7 @@ def decode_attention_fwd(
     rope_cos: torch.Tensor | None = None,
     rope_sin: torch.Tensor | None = None,
     trace: torch.Tensor | None = None,
+    l2_next: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """Decode attention of one new token per request over its paged keys ``0..seq_len-1``.
 
@@ -683,6 +714,12 @@ def decode_attention_fwd(
         max_splits``, `decode_programs`): stage 1 records timestamps of each program into it
         (`attngraph.kernel_clock`; entry, past the PDL wait, split attended, counted, merged,
         done). NVIDIA GPUs only; the values computed do not change.
+    l2_next: ``(tensor, nbytes)``: once the kernel before has finished (past the PDL wait), the
+        programs ask L2 for the first ``nbytes`` bytes of memory from ``tensor``'s start (within
+        its storage, `weight_prefetch.prefetchable_bytes`) with bulk prefetches, so the weight
+        of the projection after attention streams while attention leaves the memory idle. A
+        hint: no value changes. Issued only where the launch uses programmatic dependent launch
+        (`attngraph.pdl`: compute capability 9.0 or later, where the bulk prefetch exists).
 
     Returns ``out``. Launches: one with ``counters``, else two; the new K/V cost no launch of
     their own.
@@ -738,10 +775,12 @@ def decode_attention_fwd(
                 or trace.shape[1] != kernel_clock.RECORD or trace.device != q.device or interpreting():  # fmt: skip
             raise InputError(f"trace must be a contiguous int64 [>= {programs}, {kernel_clock.RECORD}] tensor on "
                              f"{q.device} (a GPU: the interpreter has no timers); got {trace.dtype} {tuple(trace.shape)}")  # fmt: skip
+    l2_tensor, l2_pieces = l2_next_pieces(l2_next, q) if use_pdl else (q, 0)
     _decode_stage1_kernel[(bsz, hkv * head_blocks, max_splits)](
         q, k_buffer, v_buffer, req_to_page, req_pool_indices, seq_lens, partial_out, partial_lse, slopes,
         k_new, v_new, new_loc, out, sinks_arg, seq_lens if counters is None else counters, rope_cos, rope_sin,
-        seq_lens if trace is None else trace, float(scale), cap, window, chunk, max_splits, min_split_len,
+        seq_lens if trace is None else trace, l2_tensor, float(scale), cap, window, chunk, max_splits, min_split_len,
+        l2_pieces,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_page.stride(0),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
@@ -755,6 +794,8 @@ def decode_attention_fwd(
         NEW_KV=new_kv, MERGE=counters is not None, HAS_SINKS=sinks is not None, USE_PDL=use_pdl,
         PREFETCH=use_pdl and new_kv, ROPE=rope, SOFT_BF16=q.dtype == torch.bfloat16 and interpreting(),
         MERGE_CHUNK=merge_chunk(block_h, block_dv), TRACE=trace is not None,
+        L2_LANES=l2_lanes(l2_pieces, bsz * hkv * head_blocks * max_splits, decode_num_warps(d, dv, block_n)),
+        L2_PIECE=weight_prefetch.BULK_BYTES,
         num_warps=decode_num_warps(d, dv, block_n), num_stages=2, **pdl.launch_options(use_pdl),
     )  # fmt: skip
     if counters is not None:
