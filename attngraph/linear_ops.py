@@ -11,8 +11,8 @@ most `KERNEL_MAX_WEIGHT` elements (where it was measured faster), the dtype is b
 or fp16, the weight is contiguous, the input is contiguous in its last dimension and the
 tensors are on a CUDA device; on the CPU only under Triton's interpreter (``TRITON_INTERPRET=1``
 before import) and with `CPU_INTERPRETER` set (tests). The tensor-core kernel, likewise, for
-`DOT_MIN_ROWS` to `DOT_MAX_ROWS` rows and weights of at most `DOT_MAX_WEIGHT` elements that are
-no output head (the norm folded in where `DOT_FOLD_NORM` is set). Otherwise
+`DOT_MIN_ROWS` to `DOT_MAX_ROWS` rows and weights of at most `DOT_MAX_WEIGHT` elements or
+output heads (`DOT_HEADS`; the norm folded in where `DOT_FOLD_NORM` is set). Otherwise
 ``torch.nn.functional.linear``. `add_rms_norm_gated_mlp` is a gated MLP whole (its norm, the
 fused gate/up product, SiLU * up and the down product): the ops above at most row counts, and
 at the tensor-core kernel's the activation in the gate/up product's epilogue.
@@ -64,7 +64,7 @@ KERNEL_MAX_WEIGHT_ONE_ROW = 1 << 25
 #: and 276.0 (their weight-read floors: 123.1 and 246.2).
 KERNEL_MIN_HEAD_RATIO = 16
 #: 3-16 rows run on tensor cores (`attngraph.skinny_dot`), bf16 / fp16 weights of at most
-#: `DOT_MAX_WEIGHT` elements that are no output head (those stay cuBLAS's). At 4 and 16 rows
+#: `DOT_MAX_WEIGHT` elements, and output heads (`DOT_HEADS`). At 4 and 16 rows
 #: it beat cuBLAS (with its split-K reduce launches) on the Llama-3.2-1B projections (16 rows:
 #: q/k/v 5.76 against 6.51 us, o 4.79 / 6.07, gate/up 18.05 / 18.82, down 11.18 / 13.12) and
 #: the 8B o (10.67 / 12.63) and down (31.0 / 31.7); the 8B q/k/v tied and the 8B gate/up
@@ -72,6 +72,13 @@ KERNEL_MIN_HEAD_RATIO = 16
 DOT_MIN_ROWS = 3
 DOT_MAX_ROWS = 16
 DOT_MAX_WEIGHT = 1 << 26
+#: Output heads of any size at 3-16 rows run on tensor cores too (above `DOT_MAX_WEIGHT`): with
+#: its default tile the kernel read the LM heads at their weight's floor where cuBLAS did not
+#: (H100, bf16, CUDA graphs of calls on distinct weight copies; 128256 x 2048 at 16 / 4 rows:
+#: 175.3 / 170.1 us against cuBLAS's 193.0 / 193.0 and cuBLASLt's 181.8 / 178.5, floor 173.2;
+#: 128256 x 4096: 340.1 / 333.4 against 404.6 / 387.9 and 362.4 / 353.9, floor 346.4;
+#: ``benchmarks/bench_skinny_gemm.py --dot --dot-default --dot-heads --rows 16,4``).
+DOT_HEADS = True
 #: Where the tensor-core kernel serves `rms_norm_linear` / `add_rms_norm_linear`, fold the norm
 #: into its operand loads (`skinny_dot.skinny_dot_rms_norm_linear`: every program reads all
 #: rows of x for the statistics) instead of the norm's own launch before it. Off: on an H200
@@ -180,7 +187,8 @@ def _operands_fit(k: int, lead: torch.Tensor, weight: torch.Tensor) -> bool:
 def _use_dot(rows: int, k: int, lead: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``rows`` rows of ``lead`` (x, or a) times ``weight`` run on tensor cores."""
     n = weight.shape[0]
-    if not DOT_MIN_ROWS <= rows <= DOT_MAX_ROWS or n * k > DOT_MAX_WEIGHT or n >= KERNEL_MIN_HEAD_RATIO * k:
+    head = n >= KERNEL_MIN_HEAD_RATIO * k
+    if not DOT_MIN_ROWS <= rows <= DOT_MAX_ROWS or (not DOT_HEADS if head else n * k > DOT_MAX_WEIGHT):
         return False
     return _operands_fit(k, lead, weight) and _dot_kernels() is not None
 
@@ -217,7 +225,7 @@ def kernel_may_serve(n: int, k: int, silu_mul: bool = False) -> bool:
     linear no step would run there stays ``F.linear``, inductor's to schedule). Plain: weights
     of at most `KERNEL_MAX_WEIGHT` elements, `KERNEL_MAX_WEIGHT_ONE_ROW` (one row), or output
     heads (``n >= KERNEL_MIN_HEAD_RATIO * k``, one row); folding SiLU * up:
-    `KERNEL_MAX_SILU_MUL_WEIGHT`; on tensor cores (3-16 rows): `DOT_MAX_WEIGHT`, no heads."""
+    `KERNEL_MAX_SILU_MUL_WEIGHT`; on tensor cores (3-16 rows): `DOT_MAX_WEIGHT` and heads."""
     numel = n * k
     if numel <= DOT_MAX_WEIGHT and n < KERNEL_MIN_HEAD_RATIO * k:
         return True

@@ -411,7 +411,7 @@ def main() -> None:
                 else:
                     normed_row = None
                 dot = None
-                # the heads stay cuBLAS's in the model (`linear_ops.KERNEL_MIN_HEAD_RATIO`); --dot-heads times them too
+                # the heads (`linear_ops.KERNEL_MIN_HEAD_RATIO`, `DOT_HEADS`) are long to time: --dot-heads
                 if args.dot and DOT_MIN_ROWS <= m <= skinny_dot.MAX_ROWS and (name != "lm_head" or args.dot_heads):
                     dot = {"plain": time_dot(x, ws, out, ref, n, k, sweep=not args.dot_default)}
                     line = f"| {shape} | {name} | {n} x {k} | {m} | {floor_us:.2f} | {cublas:.2f} | {us_of(dot['plain']['default']):.2f} | " \

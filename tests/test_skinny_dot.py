@@ -217,12 +217,31 @@ def test_gated_mlp_op_equals_the_ops_it_replaces(kernel_ops, monkeypatch, m):
         linear_ops.add_rms_norm_gated_mlp(x, r, nw, 1e-5, w_gu[:191], w_down)
 
 
-def test_ops_keep_fp32_and_heads_off_tensor_cores(kernel_ops, monkeypatch):
+def test_ops_keep_fp32_off_tensor_cores(kernel_ops, monkeypatch):
     monkeypatch.setattr(sd, "_launch", lambda *a, **kw: pytest.fail("tensor-core kernel launched"))
     x, w, _ = make(2, 8, 48, 64, torch.float32, kernel_ops)
     torch.testing.assert_close(linear_ops.linear(x, w), F.linear(x, w))
-    x, w, _ = make(2, 8, 16 * 64, 64, torch.bfloat16, kernel_ops)  # an output head (N >= 16 K)
-    torch.testing.assert_close(linear_ops.linear(x, w), F.linear(x, w))
+
+
+@pytest.mark.parametrize("heads", [True, False])
+def test_output_heads_above_the_weight_limit_follow_dot_heads(kernel_ops, monkeypatch, heads):
+    """An output head (N >= 16 K) of 3-16 rows takes the tensor-core kernel with `DOT_HEADS`,
+    however large (here above a lowered `DOT_MAX_WEIGHT`; N no multiple of the tile), and
+    cuBLAS without it; other weights above the limit stay cuBLAS's either way."""
+    launched = []
+    launch = sd._launch
+    monkeypatch.setattr(sd, "_launch", lambda *a, **kw: launched.append(a) or launch(*a, **kw))
+    monkeypatch.setattr(linear_ops, "DOT_HEADS", heads)
+    monkeypatch.setattr(linear_ops, "DOT_MAX_WEIGHT", 64 * 64)
+    x, w, _ = make(4, 5, 16 * 64 + 40, 64, torch.bfloat16, kernel_ops)  # 1064 x 64: a head
+    y = linear_ops.linear(x, w)
+    assert len(launched) == int(heads)
+    if heads:
+        assert_close_to_reference(y, x, w, None)
+    else:
+        assert torch.equal(y, F.linear(x, w))
+    x, w, _ = make(6, 5, 16 * 64 - 8, 64, torch.bfloat16, kernel_ops)  # 1016 x 64: no head, above the limit
+    assert torch.equal(linear_ops.linear(x, w), F.linear(x, w)) and len(launched) == int(heads)
 
 
 @pytest.mark.gpu
@@ -236,6 +255,21 @@ def test_projection_shapes_on_the_gpu(n, k):
         a, bb = x, make(n + m + 1, m, n, k, torch.bfloat16, "cuda")[0]
         h = linear_ops.silu_mul(a, bb)
         assert_close_to_reference(sd.skinny_dot_silu_mul_linear(a, bb, w), h, w, None, slack=silu_mul_slack(h, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(128256, 2048), (151936, 1536), (50257, 768)], ids=["llama_1b", "qwen2", "gpt2_odd"])
+def test_output_heads_on_the_gpu(n, k):
+    """LM heads of 3-16 rows through the op (`DOT_HEADS`): the tensor-core kernel within the
+    reference's rounding, a vocabulary no multiple of the tile included."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    for m in (3, 16):
+        x, w, _ = make(n + m, m, n, k, torch.bfloat16, "cuda")
+        y = linear_ops.linear(x, w)  # its output NaN-filled until written (torch.empty poisoned)
+        assert not y.isnan().any()
+        assert_close_to_reference(y, x, w, None)
+        assert_close_to_reference(sd.skinny_dot_linear(x, w), x, w, None)
 
 
 @pytest.mark.gpu

@@ -20,7 +20,7 @@ Rewrites, on a Dynamo graph (torch-level calls):
 Linears that no row count runs on a Triton kernel stay as they are (`SkinnyResult.kept`,
 `linear_ops.kernel_may_serve`): weights above `linear_ops.KERNEL_MAX_WEIGHT` elements, or above
 `KERNEL_MAX_WEIGHT_ONE_ROW` where one row would take them, except output heads, and above
-`linear_ops.DOT_MAX_WEIGHT` (the tensor-core kernel's limit, no heads); a down
+`linear_ops.DOT_MAX_WEIGHT` (the tensor-core kernel's limit, heads aside); a down
 projection that folds SiLU * up has the larger `linear_ops.KERNEL_MAX_SILU_MUL_WEIGHT`, since
 the fold also saves the product's launch. Left alone,
 with the reason in `SkinnyResult.refused`: a linear with keyword arguments or a weight that is
