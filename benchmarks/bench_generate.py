@@ -74,6 +74,7 @@ from attngraph import linear_ops
 ONE_ROW_DEFAULT = linear_ops.KERNEL_MAX_WEIGHT_ONE_ROW
 DOT_DEFAULTS = (linear_ops.DOT_MAX_ROWS, linear_ops.DOT_MAX_WEIGHT)
 DOT_FOLD_NORM_DEFAULT, DOT_MIN_ROWS_DEFAULT = linear_ops.DOT_FOLD_NORM, linear_ops.DOT_MIN_ROWS
+DOT_HEADS_DEFAULT = linear_ops.DOT_HEADS
 
 
 def gemv_table(value: str, tuned):
@@ -198,7 +199,7 @@ PDL_LABELS = {"on": "", "ours": " pdl=attngraph kernels only", "off": " pdl=off"
 #: The switches a row combines, in the order of its variant tuple (``--variant`` names them so).
 VARIANT_SWITCHES = ("backends", "skinny", "fold_rms_norm", "pdl", "one_row_limit", "dot", "prefetch", "dot_fold_norm",
                     "dot_min_rows", "fold_rope", "l2_prefetch_mlp", "norm_epilogue", "gemv_table", "decode_block_n",
-                    "decode_min_split", "fuse_o", "decode_merge_chunk", "gated_mlp")  # fmt: skip
+                    "decode_min_split", "fuse_o", "decode_merge_chunk", "gated_mlp", "l2_prefetch_o", "dot_heads")  # fmt: skip
 
 #: ``--loops``: generate keywords per decoding loop.
 LOOPS = {"chunks": {}, "steps": {"logits_processor": transformers.LogitsProcessorList([_KeepScores()])}}
@@ -351,6 +352,12 @@ def main() -> None:
     p.add_argument("--l2-prefetch-mlp", default="0",
                    help="CompileConfig.l2_prefetch_mlp_bytes: bytes of each layer's MLP weight asked into L2 before its "
                         "decode attention, comma-separated values (0: off, the default)")  # fmt: skip
+    p.add_argument("--dot-heads", default="default",
+                   help="linear_ops.DOT_HEADS (output heads of 3-16 rows on the tensor-core kernel): default (the "
+                        "module's), on and/or off, comma-separated")  # fmt: skip
+    p.add_argument("--l2-prefetch-o", default="off",
+                   help="CompileConfig.l2_prefetch_o (each layer's decode attention kernel asks L2 for the layer's "
+                        "output-projection weight): off (the default) and/or on, comma-separated")  # fmt: skip
     p.add_argument("--norm-epilogue", default="default",
                    help="CompileConfig.fold_norm_epilogue (the MLP's residual add + RMSNorm in the output projection's "
                         "GEMV epilogue): default (the config's), on and/or off, comma-separated")  # fmt: skip
@@ -412,6 +419,10 @@ def main() -> None:
         p.error(f"--decode-block-n takes 'default' or powers of two >= 16; got {', '.join(bad)}")
     if bad := [v for v in args.gated_mlp.split(",") if v not in ("default", "on", "off")]:
         p.error(f"--gated-mlp takes default, on and/or off; got {', '.join(bad)}")
+    if bad := [v for v in args.dot_heads.split(",") if v not in ("default", "on", "off")]:
+        p.error(f"--dot-heads takes default, on and/or off; got {', '.join(bad)}")
+    if bad := [v for v in args.l2_prefetch_o.split(",") if v not in ("on", "off")]:
+        p.error(f"--l2-prefetch-o takes on and/or off; got {', '.join(bad)}")
     if bad := [v for v in args.decode_merge_chunk.split(",") if v != "default" and not (v.isdigit() and 1 <= int(v) <= 64)]:
         # the kernel unrolls its merge loop this many times
         p.error(f"--decode-merge-chunk takes 'default' or split counts from 1 to 64; got {', '.join(bad)}")
@@ -472,7 +483,7 @@ def main() -> None:
                     except Exception as exc:
                         add("HF static cache + torch.compile", b, error=f"{type(exc).__name__}: {exc}"[:500])
                     torch._dynamo.reset()
-        variants = [(name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn, dms, fo, mc, gm) for name in args.backends.split(",") if name
+        variants = [(name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn, dms, fo, mc, gm, l2o, dh) for name in args.backends.split(",") if name
                     for skinny in args.skinny.split(",") for fold in args.fold_rms_norm.split(",") for pdl in args.pdl.split(",")
                     for limit in args.one_row_limit.split(",") for dot in args.dot.split(",")
                     for pf in args.prefetch.split(",") for dfold in args.dot_fold_norm.split(",")
@@ -480,14 +491,15 @@ def main() -> None:
                     for l2 in args.l2_prefetch_mlp.split(",") for ne in args.norm_epilogue.split(",")
                     for gt in args.gemv_table.split(",") for dbn in args.decode_block_n.split(",")
                     for dms in args.decode_min_split.split(",") for fo in args.fuse_o.split(",")
-                    for mc in args.decode_merge_chunk.split(",") for gm in args.gated_mlp.split(",")]  # fmt: skip
+                    for mc in args.decode_merge_chunk.split(",") for gm in args.gated_mlp.split(",")
+                    for l2o in args.l2_prefetch_o.split(",") for dh in args.dot_heads.split(",")]  # fmt: skip
         if variant_specs:  # --variant: the named rows only, in their order
             variants = variant_specs
 
         def apply(variant: tuple) -> tuple[str, dict]:
             """Set the module settings of ``variant`` (read at compile and capture); its label and
             `attngraph.accelerate`'s keywords."""
-            name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn, dms, fo, mc, gm = variant
+            name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn, dms, fo, mc, gm, l2o, dh = variant
             label = f"attngraph[{name}]" + ("" if skinny == "on" else " skinny_linears=False") + PDL_LABELS[pdl]
             label += "" if fold == "on" else " fold_rms_norm=False"
             label += "" if limit == "default" else f" one-row GEMV <= {limit}"
@@ -504,6 +516,8 @@ def main() -> None:
             label += "" if fo == "default" else f" fuse-o={fo}"
             label += "" if mc == "default" else f" decode-merge-chunk={mc}"
             label += "" if gm == "default" else f" gated-mlp={gm}"
+            label += "" if l2o == "off" else " l2-prefetch-o=on"
+            label += "" if dh == "default" else f" dot-heads={dh}"
             # the constructor's default, read when accelerate makes the backend
             triton_backend.TritonBackend.__init__.__kwdefaults__["min_split_len"] = (
                 min_split_default if dms == "default" else int(dms))  # fmt: skip
@@ -523,13 +537,14 @@ def main() -> None:
             triton_backend.TritonBackend.fused_o_block_o = int(on.group(4)) if on and on.group(4) else 4
             linear_ops.DOT_FOLD_NORM = DOT_FOLD_NORM_DEFAULT if dfold == "default" else dfold == "on"
             linear_ops.DOT_MIN_ROWS = DOT_MIN_ROWS_DEFAULT if dmin == "default" else int(dmin)
+            linear_ops.DOT_HEADS = DOT_HEADS_DEFAULT if dh == "default" else dh == "on"  # read at capture
             weight_prefetch.ENABLED = prefetch_default if pf == "default" else pf == "on"  # read at capture
             # off: no row count runs the tensor-core kernel, and the pass wraps no linear for it
             linear_ops.DOT_MAX_ROWS, linear_ops.DOT_MAX_WEIGHT = (DOT_DEFAULTS if dot == "on" else (0, 0))
             attngraph.pdl.ENABLED, attngraph.pdl.INDUCTOR = pdl != "off", pdl == "on"  # read at compile and capture
             linear_ops.KERNEL_MAX_WEIGHT_ONE_ROW = ONE_ROW_DEFAULT if limit == "default" else int(limit)
             options.update(attention_backend=name, kv_cache_tokens=1 << 15, skinny_linears=skinny == "on",
-                           fold_rms_norm=fold == "on", l2_prefetch_mlp_bytes=int(l2))  # fmt: skip
+                           fold_rms_norm=fold == "on", l2_prefetch_mlp_bytes=int(l2), l2_prefetch_o=l2o == "on")  # fmt: skip
             return label, options
 
         def build(variant: tuple):
