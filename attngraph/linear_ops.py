@@ -77,7 +77,9 @@ DOT_MAX_WEIGHT = 1 << 26
 #: (H100, bf16, CUDA graphs of calls on distinct weight copies; 128256 x 2048 at 16 / 4 rows:
 #: 175.3 / 170.1 us against cuBLAS's 193.0 / 193.0 and cuBLASLt's 181.8 / 178.5, floor 173.2;
 #: 128256 x 4096: 340.1 / 333.4 against 404.6 / 387.9 and 362.4 / 353.9, floor 346.4;
-#: ``benchmarks/bench_skinny_gemm.py --dot --dot-default --dot-heads --rows 16,4``).
+#: ``benchmarks/bench_skinny_gemm.py --dot --dot-default --dot-heads --rows 16,4``). In the 1B
+#: decode step at 4 and 16 requests the GPU busy time was 3-5 us lower; the steps' spread on
+#: that machine start hid it (``benchmarks/bench_generate.py --variant dot-heads=off``).
 DOT_HEADS = True
 #: Where the tensor-core kernel serves `rms_norm_linear` / `add_rms_norm_linear`, fold the norm
 #: into its operand loads (`skinny_dot.skinny_dot_rms_norm_linear`: every program reads all
