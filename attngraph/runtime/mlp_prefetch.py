@@ -77,11 +77,15 @@ def first_weight_range(mlp: nn.Module) -> tuple[torch.Tensor, int] | None:
     return first, end - first.data_ptr()
 
 
-def mlp_prefetch_source(model: nn.Module, num_layers: int, nbytes: int) -> Callable[[int], tuple[torch.Tensor, int] | None]:
-    """``layer_id -> (weight, bytes) or None``: the first ``nbytes`` bytes (at most) of
-    attention layer ``layer_id``'s MLP input weight (`first_weight_range`), looked up when
-    asked, since `passes.fuse_linears` moves the weights while the model compiles (the layer
-    list, which fusion leaves in place, is found once)."""
+#: What a prefetch source gives for a layer: a tensor and the bytes from its start, or None.
+Range = tuple[torch.Tensor, int] | None
+
+
+def layer_source(model: nn.Module, num_layers: int, pick: Callable[[nn.Module], Range]) -> Callable[[int], Range]:
+    """``layer_id -> (tensor, bytes) or None``: ``pick`` of decoder layer ``layer_id`` of the
+    model's layer list (`decoder_layers`, found at the first call), looked up when asked, since
+    `passes.fuse_linears` moves the weights while the model compiles (the layer list, which
+    fusion leaves in place, stays). None past the list, or where no list matches."""
     found_layers: list[nn.ModuleList | None] = []
 
     def source(layer_id: int) -> tuple[torch.Tensor, int] | None:
@@ -90,10 +94,17 @@ def mlp_prefetch_source(model: nn.Module, num_layers: int, nbytes: int) -> Calla
         layers = found_layers[0]
         if layers is None or not 0 <= layer_id < len(layers):
             return None
-        found = first_weight_range(mlp_of(layers[layer_id]))
-        if found is None:
-            return None
-        weight, size = found
-        return weight, min(int(nbytes), size)
+        return pick(layers[layer_id])
 
     return source
+
+
+def mlp_prefetch_source(model: nn.Module, num_layers: int, nbytes: int) -> Callable[[int], tuple[torch.Tensor, int] | None]:
+    """``layer_id -> (weight, bytes) or None``: the first ``nbytes`` bytes (at most) of
+    attention layer ``layer_id``'s MLP input weight (`first_weight_range`; `layer_source`)."""
+
+    def pick(layer: nn.Module) -> tuple[torch.Tensor, int] | None:
+        found = first_weight_range(mlp_of(layer))
+        return None if found is None else (found[0], min(int(nbytes), found[1]))
+
+    return layer_source(model, num_layers, pick)

@@ -14,7 +14,7 @@ early under PDL, already load their first weight chunk during attention, and the
 prefetched for the rest do not arrive sooner than its own loads would.
 
 `o_prefetch_source` maps attention layer ``i`` to decoder layer ``i`` of the model's layer list
-(`mlp_prefetch.decoder_layers`) and returns that layer's attention output weight: the module
+(`mlp_prefetch.layer_source`) and returns that layer's attention output weight: the module
 named `OUT_NAMES` inside the attention module named `ATTENTION_NAMES`. A model whose layers do
 not match gets no prefetch; a wrong guess would only cost bandwidth, never a value.
 """
@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .mlp_prefetch import decoder_layers
+from .mlp_prefetch import layer_source
 
 #: Attribute names of a decoder layer's attention block in transformers' models.
 ATTENTION_NAMES = ("self_attn", "self_attention", "attention", "attn")
@@ -49,20 +49,11 @@ def output_weight(layer: nn.Module) -> torch.Tensor | None:
 
 
 def o_prefetch_source(model: nn.Module, num_layers: int) -> Callable[[int], tuple[torch.Tensor, int] | None]:
-    """``layer_id -> (weight, bytes) or None``: attention layer ``layer_id``'s output weight and
-    its size in bytes, looked up when asked (the model's compile may move weights; the layer
-    list is found once)."""
-    found_layers: list[nn.ModuleList | None] = []
+    """``layer_id -> (weight, bytes) or None``: attention layer ``layer_id``'s output weight
+    (`output_weight`) and its size in bytes, looked up when asked (`mlp_prefetch.layer_source`)."""
 
-    def source(layer_id: int) -> tuple[torch.Tensor, int] | None:
-        if not found_layers:
-            found_layers.append(decoder_layers(model, num_layers))
-        layers = found_layers[0]
-        if layers is None or not 0 <= layer_id < len(layers):
-            return None
-        weight = output_weight(layers[layer_id])
-        if weight is None:
-            return None
-        return weight, weight.numel() * weight.element_size()
+    def pick(layer: nn.Module) -> tuple[torch.Tensor, int] | None:
+        weight = output_weight(layer)
+        return None if weight is None else (weight, weight.numel() * weight.element_size())
 
-    return source
+    return layer_source(model, num_layers, pick)
