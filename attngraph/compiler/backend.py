@@ -196,13 +196,11 @@ class AttnGraphBackend:
 
     def _record(self, name: str, result: Any, applied: list) -> Any:
         """Put what the paged pass ``name`` did (``applied``, ``result.refused``) in the report
-        and the log (a line per pass at INFO, each refusal's reason at DEBUG); returns
-        ``result``."""
+        and the log (a line per pass and graph at INFO; the pass itself logs each refusal's
+        reason at DEBUG); returns ``result``."""
         entry = self.report.add_rewrite(name, applied, result.refused)
         logger.info("attngraph: graph %d: %s: %d rewritten, %d refused", entry.graph_index, name, len(entry.applied),
                     len(entry.refused))  # fmt: skip
-        for where, reason in entry.refused:
-            logger.debug("attngraph: %s refused %s: %s", name, where, reason)
         return result
 
     def _token_mixing(self, gm: fx.GraphModule) -> list[TokenMixingOp]:

@@ -174,9 +174,9 @@ def fuse_linears(gm: fx.GraphModule, example_inputs: list[Any]) -> FuseResult:
     if result.groups:
         gm.graph.lint()
         gm.recompile()
-        logger.info("fuse_linears: %d groups of linears fused (%s)", len(result.groups), _summary(result.groups))
-    for names, reason in result.refused:
-        logger.info("fuse_linears: %s left unfused: %s", ", ".join(names), reason)
+        logger.debug("fuse_linears: %d groups of linears fused (%s)", len(result.groups), _summary(result.groups))
+    for names, reason in result.refused:  # at DEBUG, as `fx_utils.finish_rewrite` logs
+        logger.debug("fuse_linears: %s left unfused: %s", ", ".join(names), reason)
     return result
 
 

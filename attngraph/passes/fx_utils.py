@@ -500,10 +500,12 @@ def _clean_path(path: str) -> str:
 def finish_rewrite(gm: fx.GraphModule, log, summary: str | None, refused: Iterable[tuple[str, str]], refused_format: str) -> None:
     """A rewriting pass's ending: where it changed the graph (``summary``, the line it logs;
     None: unchanged) lint and recompile ``gm``; then log each ``(node name, reason)`` of
-    ``refused`` through ``refused_format`` (two ``%s``)."""
+    ``refused`` through ``refused_format`` (two ``%s``). At DEBUG: the paged runtime's backend
+    logs one INFO line per pass and graph (`AttnGraphBackend`), so a model of many layers does
+    not log a line per refused site at INFO."""
     if summary is not None:
         gm.graph.lint()
         gm.recompile()
-        log.info(summary)
+        log.debug(summary)
     for name, reason in refused:
-        log.info(refused_format, name, reason)
+        log.debug(refused_format, name, reason)

@@ -35,7 +35,7 @@ def test_accelerated_model_reports_its_decode_step_rewrites(caplog):
     model = build_model("llama", "sdpa", seed=1)
     layers = model.config.num_hidden_layers
     ids = torch.randint(3, model.config.vocab_size, (2, 7))
-    with caplog.at_level(logging.INFO, logger="attngraph.compiler.backend"):  # graphs compile in accelerate or later
+    with caplog.at_level(logging.INFO, logger="attngraph"):  # graphs compile in accelerate or later
         attngraph.accelerate(model, attention_backend="torch_native", page_size=4, skinny_linears=True)
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False, pad_token_id=0)
     report = state_of(model).runner.ragged.backend.report
@@ -45,3 +45,6 @@ def test_accelerated_model_reports_its_decode_step_rewrites(caplog):
     assert all(len(e.applied) == 2 * layers for e in report.rewrites_of("fold_rms_norm"))
     assert f"fuse_gated_mlp: {layers} rewritten" in str(report)
     assert any("fuse_gated_mlp" in r.getMessage() and f"{layers} rewritten" in r.getMessage() for r in caplog.records)
+    # at INFO one line per pass and graph, from the backend; the passes' own lines are DEBUG's
+    passes = [r.getMessage() for r in caplog.records if r.name.startswith("attngraph.passes") and r.levelno >= logging.INFO]
+    assert passes == [], passes[:3]
