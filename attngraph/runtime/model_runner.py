@@ -298,18 +298,7 @@ class ModelRunner:
 
         self.backend = create_attention_backend(self.config, spec=self.spec)
         self.backend.set_layer_kinds([s.as_layer() for s in sites])
-        if self.config.l2_prefetch_mlp_bytes:
-            decode = getattr(self.backend, "decode_backend", self.backend)
-            if hasattr(decode, "set_decode_prefetch"):
-                from .mlp_prefetch import mlp_prefetch_source
-
-                decode.set_decode_prefetch(mlp_prefetch_source(self.model, g.num_layers, self.config.l2_prefetch_mlp_bytes))
-        if self.config.l2_prefetch_o:
-            decode = getattr(self.backend, "decode_backend", self.backend)
-            if hasattr(decode, "set_decode_l2_next"):
-                from .o_prefetch import o_prefetch_source
-
-                decode.set_decode_l2_next(o_prefetch_source(self.model, g.num_layers))
+        self._set_decode_prefetches(g.num_layers)
         self.verify_backend = self.backend
         verify = self.config.verify_attention_backend
         if verify is not None:
@@ -328,6 +317,29 @@ class ModelRunner:
             "attention backend: %s; %d layers, %d query / %d KV heads of dim %d",
             type(self.backend).__name__, g.num_layers, g.num_q_heads, g.num_kv_heads, g.head_dim,
         )
+
+    def _set_decode_prefetches(self, num_layers: int) -> None:
+        """Hand the decode backend the L2 prefetches that `CompileConfig.l2_prefetch_mlp_bytes`
+        and `l2_prefetch_o` ask for. Only the Triton backend's decode has them; with another,
+        a warning names the setting, and decode runs without the hint."""
+        decode = getattr(self.backend, "decode_backend", self.backend)
+        cfg = self.config
+
+        def served(name: str, setter: str) -> bool:
+            if hasattr(decode, setter):
+                return True
+            logger.warning("%s has no effect with the %s decode backend: only the Triton backend's decode kernels "
+                           "ask L2 for weights", name, type(decode).__name__)  # fmt: skip
+            return False
+
+        if cfg.l2_prefetch_mlp_bytes and served("l2_prefetch_mlp_bytes", "set_decode_prefetch"):
+            from .mlp_prefetch import mlp_prefetch_source
+
+            decode.set_decode_prefetch(mlp_prefetch_source(self.model, num_layers, cfg.l2_prefetch_mlp_bytes))
+        if cfg.l2_prefetch_o and served("l2_prefetch_o", "set_decode_l2_next"):
+            from .o_prefetch import o_prefetch_source
+
+            decode.set_decode_l2_next(o_prefetch_source(self.model, num_layers))
 
     def warmup(self) -> None:
         """Compile now (a dummy sequence of `trace_tokens`, which sizes the pool; then a prefill and a

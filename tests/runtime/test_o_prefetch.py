@@ -2,8 +2,8 @@
 
 CPU: the source on a tiny Llama (``self_attn.o_proj``) and a GPT-2 (``attn.c_proj``, a Conv1D),
 the refusals (layer counts that do not match, a layer without a known attention block), the
-config check, and the Triton backend (Triton's interpreter) asking the source once per layer
-during generate, with the same tokens as without it.
+config check, the Triton backend (Triton's interpreter) asking the source once per layer during
+generate, with the same tokens as without it, and a backend without the prefetches warning.
 GPU: generate with the prefetch equals generate without it (a hint changes no token).
 """
 
@@ -101,3 +101,22 @@ def test_generate_equal_with_and_without_the_prefetch_on_gpu():
         if on:
             assert sorted(ranges) == [0, 1, 2] and all(r is not None and r[1] == 64 * 64 * 2 for r in ranges.values())
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+def test_backends_without_the_prefetches_warn(caplog):
+    """torch_native decodes without L2 hints: each setting asked for is named in a warning, and
+    generate runs as without it."""
+    outs = []
+    for options in ({}, dict(l2_prefetch_o=True, l2_prefetch_mlp_bytes=1 << 20)):
+        model = tiny_llama()
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="attngraph.runtime.model_runner"):
+            attngraph.accelerate(model, attention_backend="torch_native", kv_cache_tokens=1024, **options)
+            ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(2))
+            outs.append(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                                       pad_token_id=0))  # fmt: skip
+        warned = [r.getMessage() for r in caplog.records if "has no effect" in r.getMessage()]
+        assert len(warned) == len(options), warned
+        assert all("TorchNativeBackend" in w for w in warned)
+        attngraph.restore(model)
+    assert torch.equal(outs[0], outs[1])
