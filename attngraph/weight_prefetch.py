@@ -22,6 +22,10 @@ layer's decode attention for the layer's feed-forward weight
 weights the GEMM after it would read. Off by default too: slower on an H200 (1B batch 1: 1.038
 against 0.967-0.996 ms; `CompileConfig.l2_prefetch_mlp_bytes` gives the numbers).
 
+`bulk_prefetch_l2` is that instruction for a kernel's own lanes: the Triton decode attention
+kernel issues it past its wait for the layer's output weight (`CompileConfig.l2_prefetch_o`,
+off by default as well).
+
 `ENABLED` (``ATTNGRAPH_WEIGHT_PREFETCH=1``) is off by default: on an H200 it made the
 Llama-3.2-1B-shaped decode step slower (batch 1: 1.067 against 0.978 ms; batch 16: 1.238
 against 1.092; ``benchmarks/bench_generate.py --prefetch on,off``,
