@@ -27,8 +27,9 @@ call, launch gaps included.
 projection) at its default configuration and the best of a small sweep (`DOT_SWEEP`;
 ``--dot-default``: none), beside cuBLAS, as ``dot`` entries of the JSON and a table of its own;
 the q/k/v also with q and k rotated in the epilogue, alone and behind the norm's launch (a
-batched decode step's), and with ``--norm`` the q/k/v and gate/up behind a residual add +
-RMSNorm three ways (`time_dot_norm`).
+batched decode step's), the gate/up with SiLU * up in its epilogue over a few tiles (`time_dot_gated`,
+`CompileConfig.fuse_gated_mlp`) beside the product and the SiLU-mul kernel, and with ``--norm``
+the q/k/v and gate/up behind a residual add + RMSNorm three ways (`time_dot_norm`).
 
 Prints a Markdown table (the default and the best configuration per shape and row count),
 writes one JSON object with every timing, and ends with the best configurations as the
@@ -45,6 +46,7 @@ import os
 import sys
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -63,6 +65,7 @@ from attngraph.skinny_linear import (  # noqa: E402
     skinny_rms_norm_linear,
     skinny_silu_mul_linear,
 )
+from attngraph.skinny_linear import silu_mul as skinny_linear_silu_mul  # noqa: E402
 
 #: (name, N, K): output features x input features.
 SHAPES = {
@@ -247,6 +250,35 @@ def time_dot(x, ws, out, ref, n: int, k: int, gate_up=None, sweep: bool = True) 
     return dict(default=timings[0], default_config=base, best=fastest(timings), timings=timings)
 
 
+#: Tiles of the gated gate/up (``--dot`` rows of a gate/up): ``BLOCK_N`` rows of the fused
+#: weight per program, half from each half; K unsplit (the epilogue needs both whole products).
+GATED_SWEEP = [dict(BLOCK_N=bn, BLOCK_K=128, SPLIT_K=1, num_warps=w, num_stages=st)
+               for bn, w, st in ((32, 4, 4), (64, 4, 4), (64, 4, 6), (128, 4, 3), (128, 8, 3), (128, 8, 4))]  # fmt: skip
+
+
+def time_dot_gated(x, ws, sweep: bool = True) -> dict:
+    """A gated MLP's activation from the fused ``[2I, K]`` weights ``ws`` on tensor cores,
+    SiLU * up in the gate/up product's epilogue (`skinny_dot_gated_linear`, what
+    `CompileConfig.fuse_gated_mlp` runs at 3-16 rows), at its default tile and (``sweep``)
+    `GATED_SWEEP`; beside it, the plain product followed by the SiLU-mul kernel (the step
+    without the fusion), both at default tiles. ``x: [M, K]``."""
+    i = ws[0].shape[0] // 2
+    out = torch.empty(x.shape[0], i, device=x.device, dtype=x.dtype)
+    full = torch.empty(x.shape[0], 2 * i, device=x.device, dtype=x.dtype)
+    ref = F.silu(F.linear(x.float(), ws[0][:i].float())) * F.linear(x.float(), ws[0][i:].float())
+    run = lambda w, cfg: skinny_dot.skinny_dot_gated_linear(x, w, out=out, config=cfg)  # noqa: E731
+    base = skinny_dot.default_config(2 * i, x.shape[1])  # the launcher halves its BLOCK_N per half
+    configs = [base] + [c for c in GATED_SWEEP if sweep and c != base]
+    _, timings = time_gemv(run, ws, out, ref, configs)
+
+    def separate(w):
+        skinny_dot.skinny_dot_linear(x, w, out=full)
+        return skinny_linear_silu_mul(full[:, :i], full[:, i:])
+
+    return dict(default=timings[0], default_config=base, best=fastest(timings), timings=timings,
+                product_then_silu_mul_us=round(time_calls([lambda w=w: separate(w) for w in ws]), 2))  # fmt: skip
+
+
 def norm_operands(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A residual ``[M, K]`` and an RMSNorm weight ``[K]`` (near 1) for the input ``x: [M, K]``."""
     return torch.randn_like(x), torch.randn(x.shape[1], device=x.device, dtype=x.dtype) * 0.1 + 1.0
@@ -327,7 +359,6 @@ def main() -> None:
     limit = min(args.max_configs, 12) if args.quick else args.max_configs
     grid = dict(block_n=ints(args.block_n), block_k=ints(args.block_k), warps=ints(args.warps), stages=ints(args.stages),
                 split_k=ints(args.split_k), limit=limit)  # fmt: skip
-    F = torch.nn.functional
     bw = copy_bandwidth()
     torch.manual_seed(0)
     rows_out = []
@@ -422,6 +453,12 @@ def main() -> None:
                         dr = dot["rope"]
                         dot_lines.append(f"| {shape} | {name}, q and k rotated | {n} x {k} | {m} | {floor_us:.2f} | "
                                          f"behind the norm kernel {dr['norm_then_rope_us']:.2f} | {dr['rope_us']:.2f} | | |")  # fmt: skip
+                    if name == "gate_up":
+                        dot["gated"] = time_dot_gated(x, ws, sweep=not args.dot_default)
+                        dg = dot["gated"]
+                        dot_lines.append(f"| {shape} | gate_up, SiLU * up in the epilogue | {n} x {k} | {m} | {floor_us:.2f} | "
+                                         f"product + SiLU-mul kernel {dg['product_then_silu_mul_us']:.2f} | "
+                                         f"{us_of(dg['default']):.2f} | {us_of(dg['best']):.2f} | {config_str(dg['best'])} |")  # fmt: skip
                     if args.norm and name in ("qkv", "gate_up"):
                         dot["norm"] = time_dot_norm(x, ws, out, m, k)
                         nd = dot["norm"]

@@ -22,8 +22,8 @@
 #   bash benchmarks/run_gpu.sh gated-mlp  # CompileConfig.fuse_gated_mlp: its gpu tests, then the 1B steps of
 #                                      # batches 16 and 4 with it (the default) and without it, interleaved (about 4 minutes)
 #   bash benchmarks/run_gpu.sh dot-rows  # the tensor-core kernel at 16 and 4 rows alone: plain, q/k/v rotated,
-#                                      # behind the norm's launch or with the norm in its loads, LM heads
-#                                      # (about 2 minutes)
+#                                      # behind the norm's launch or with the norm in its loads, the gate/up with
+#                                      # SiLU * up in its epilogue over a few tiles, LM heads (about 2 minutes)
 #   QUICK=1 ...                        # shorter benchmark: quick kernel shapes, batch 1 only
 set -u
 OUT=${OUT:-benchmarks/results}

@@ -389,3 +389,36 @@ def test_tensor_core_norm_and_rope_timings_run_what_they_name(monkeypatch):
     del launched[:]
     rope = bench.time_dot_rope(x, ws, out, 128, 64)
     assert rope["rope_us"] == 1.0 and launched == ["rope"] * (2 * len(ws))
+
+
+def test_gated_timings_check_every_tile_and_run_the_gated_launch(monkeypatch):
+    """`bench_skinny_gemm.time_dot_gated` (the interpreter on the CPU, or CUDA) with the CUDA-graph
+    timer replaced by one call of each: every tile's output passes the check against SiLU * up
+    of the fp32 products (none carries an error), the tiles run the gated launch, and the
+    comparison runs the plain product."""
+    import torch
+
+    pytest.importorskip("triton")
+    bench = bench_module("bench_skinny_gemm")
+    from attngraph import skinny_dot, skinny_linear
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and (not skinny_dot.interpreting() or skinny_linear.interpreter_problem()):
+        pytest.skip("needs CUDA or Triton's interpreter")
+    launched = []
+    launch = skinny_dot._launch
+    monkeypatch.setattr(skinny_dot, "_launch", lambda *a, **kw: launched.append(kw.get("gated", False)) or launch(*a, **kw))
+    monkeypatch.setattr(bench, "time_calls", lambda calls: [c() for c in calls] and 1.0)
+    monkeypatch.setattr(bench, "GATED_SWEEP", bench.GATED_SWEEP[:2])  # the interpreter is slow
+    torch.manual_seed(0)
+    x = torch.randn(5, 256, dtype=torch.bfloat16, device=device)
+    ws = [torch.randn(192, 256, dtype=torch.bfloat16, device=device) / 16 for _ in range(2)]
+    gated = bench.time_dot_gated(x, ws)
+    base = skinny_dot.default_config(192, 256)
+    tiles = [base] + [c for c in bench.GATED_SWEEP if c != base]  # the default first, then the others
+    assert [{k: t[k] for k in base} for t in gated["timings"]] == tiles and len(tiles) >= 2
+    assert all(t.get("us") == 1.0 for t in gated["timings"]), gated["timings"]
+    assert gated["best"] is not None and gated["product_then_silu_mul_us"] == 1.0
+    # time_gemv also times the launcher's own pick (config None, the default again): one check
+    # and one call per weight copy for it and for each tile
+    assert launched.count(True) == (1 + len(tiles)) * (1 + len(ws)) and launched.count(False) == len(ws)
