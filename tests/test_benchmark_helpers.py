@@ -359,11 +359,10 @@ def test_chain_routes_gate_up_as_the_model_and_its_table_keeps_gemv_tiles():
     }
 
 
-def test_tensor_core_norm_and_rope_timings_run_what_they_name(monkeypatch):
-    """`bench_skinny_gemm.time_dot_norm` and `time_dot_rope` (the interpreter on the CPU, or
-    CUDA) with the CUDA-graph timer replaced by one call of each: the norm from partial sums of
-    squares gives the norm kernel's products, and the calls reach the launches they are named
-    for (the sums, the rotation)."""
+def _dot_bench(monkeypatch, mark):
+    """``(bench_skinny_gemm, device, launched)`` for timing helpers of the tensor-core kernel:
+    CUDA, or the CPU under Triton's interpreter (else the test is skipped); the CUDA-graph timer
+    replaced by one call of each; ``mark(launch keywords)`` appended to ``launched`` per launch."""
     import torch
 
     pytest.importorskip("triton")
@@ -375,10 +374,20 @@ def test_tensor_core_norm_and_rope_timings_run_what_they_name(monkeypatch):
         pytest.skip("needs CUDA or Triton's interpreter")
     launched = []
     launch = skinny_dot._launch
-    monkeypatch.setattr(skinny_dot, "_launch", lambda *a, **kw: launched.append(
-        ("sums" if kw.get("sum_squares") is not None else "") + ("rope" if kw.get("rope") is not None else "")
-    ) or launch(*a, **kw))  # fmt: skip
+    monkeypatch.setattr(skinny_dot, "_launch", lambda *a, **kw: launched.append(mark(kw)) or launch(*a, **kw))
     monkeypatch.setattr(bench, "time_calls", lambda calls: [c() for c in calls] and 1.0)
+    return bench, device, launched
+
+
+def test_tensor_core_norm_and_rope_timings_run_what_they_name(monkeypatch):
+    """`bench_skinny_gemm.time_dot_norm` and `time_dot_rope` (the interpreter on the CPU, or
+    CUDA) with the CUDA-graph timer replaced by one call of each: the norm from partial sums of
+    squares gives the norm kernel's products, and the calls reach the launches they are named
+    for (the sums, the rotation)."""
+    import torch
+
+    bench, device, launched = _dot_bench(monkeypatch, lambda kw: (
+        ("sums" if kw.get("sum_squares") is not None else "") + ("rope" if kw.get("rope") is not None else "")))  # fmt: skip
     torch.manual_seed(0)
     x = torch.randn(5, 256, dtype=torch.bfloat16, device=device)
     ws = [torch.randn(192, 256, dtype=torch.bfloat16, device=device) / 16 for _ in range(2)]
@@ -398,17 +407,9 @@ def test_gated_timings_check_every_tile_and_run_the_gated_launch(monkeypatch):
     comparison runs the plain product."""
     import torch
 
-    pytest.importorskip("triton")
-    bench = bench_module("bench_skinny_gemm")
-    from attngraph import skinny_dot, skinny_linear
+    from attngraph import skinny_dot
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and (not skinny_dot.interpreting() or skinny_linear.interpreter_problem()):
-        pytest.skip("needs CUDA or Triton's interpreter")
-    launched = []
-    launch = skinny_dot._launch
-    monkeypatch.setattr(skinny_dot, "_launch", lambda *a, **kw: launched.append(kw.get("gated", False)) or launch(*a, **kw))
-    monkeypatch.setattr(bench, "time_calls", lambda calls: [c() for c in calls] and 1.0)
+    bench, device, launched = _dot_bench(monkeypatch, lambda kw: kw.get("gated", False))
     monkeypatch.setattr(bench, "GATED_SWEEP", bench.GATED_SWEEP[:2])  # the interpreter is slow
     torch.manual_seed(0)
     x = torch.randn(5, 256, dtype=torch.bfloat16, device=device)
