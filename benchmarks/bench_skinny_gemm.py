@@ -328,6 +328,7 @@ def time_dot_rope(x, ws, out, rope_cols: int, head_dim: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="1b,8b")
+    p.add_argument("--projections", default="", help="projection names to time (qkv,o,gate_up,down,lm_head); all when empty")
     p.add_argument("--rows", default="1,2,4,8", help=f"row counts, each at most {MAX_ROWS}")
     p.add_argument("--block-n", default="2,4,8,16,32")
     p.add_argument("--block-k", default="128,256,512,1024")
@@ -351,6 +352,9 @@ def main() -> None:
     args = p.parse_args()
     if args.no_gemv:
         args.no_triton = True
+    known = {name for shape in SHAPES.values() for name, _, _ in shape}
+    if args.projections and not set(args.projections.split(",")) <= known:
+        p.error(f"--projections takes names from {sorted(known)}; got {args.projections!r}")
     if args.inductor:  # one compile per (shape, rows)
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(torch._dynamo.config, name):
@@ -371,6 +375,8 @@ def main() -> None:
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
     for shape in args.shapes.split(","):
         for name, n, k in SHAPES[shape]:
+            if args.projections and name not in args.projections.split(","):
+                continue
             copies = max(2, -(-L2_BYTES // (n * k * 2)))
             ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
             floor_us = n * k * 2 / bw * 1e6

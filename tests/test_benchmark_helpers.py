@@ -423,3 +423,15 @@ def test_gated_timings_check_every_tile_and_run_the_gated_launch(monkeypatch):
     # time_gemv also times the launcher's own pick (config None, the default again): one check
     # and one call per weight copy for it and for each tile
     assert launched.count(True) == (1 + len(tiles)) * (1 + len(ws)) and launched.count(False) == len(ws)
+
+
+def test_skinny_gemm_refuses_unknown_projection_names(monkeypatch, capsys):
+    """`bench_skinny_gemm --projections` names projections of its shapes; a misspelt one is an
+    argument error before anything is timed."""
+    bench = bench_module("bench_skinny_gemm")
+    monkeypatch.setattr(sys, "argv", ["bench_skinny_gemm.py", "--projections", "gate_up,gateup"])
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda: pytest.fail("timed before checking its arguments"))
+    with pytest.raises(SystemExit) as exc:
+        bench.main()
+    assert exc.value.code == 2
+    assert "gateup" in capsys.readouterr().err
