@@ -509,7 +509,7 @@ class ModelRunner:
         pool, out = self.pool, []
         for j in range(steps):
             batch = ForwardBatch.decode(pool, rows, [n + j for n in lengths], tokens, [p + j for p in positions])
-            tokens = torch.argmax(self.forward(batch).float(), dim=-1)
+            tokens = torch.argmax(self.forward(batch), dim=-1)  # = of the float32 logits (`MultiStepDecodeGraphs._record`)
             out.append(tokens)
         return torch.stack(out) if out else torch.zeros(0, len(rows), dtype=torch.long, device=self.device)
 

@@ -137,7 +137,10 @@ class MultiStepDecodeGraphs:
             ids = self.first_ids[:rows] if j == 0 else self.tokens[j - 1, :rows]
             with use_forward_context(ForwardContext(self.backend, batch, num_logits=bs)):
                 logits = self.runner.ragged(ids, self._longs[0, j, :rows], self.logits_indices[:rows])[:bs]
-            torch.argmax(logits.float(), dim=-1, out=self.tokens[j, :bs])
+            # HF takes the argmax of float32 logits; widening is exact and keeps their order
+            # (ties: the first index either way), so the argmax of the logits themselves is the
+            # same token without a cast kernel per step
+            torch.argmax(logits, dim=-1, out=self.tokens[j, :bs])
         return self.tokens[: len(batches), :bs]
 
     # ------------------------------------------------------------------ capture / replay
