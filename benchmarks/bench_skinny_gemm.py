@@ -267,7 +267,7 @@ def time_dot_gated(x, ws, sweep: bool = True) -> dict:
     full = torch.empty(x.shape[0], 2 * i, device=x.device, dtype=x.dtype)
     ref = F.silu(F.linear(x.float(), ws[0][:i].float())) * F.linear(x.float(), ws[0][i:].float())
     run = lambda w, cfg: skinny_dot.skinny_dot_gated_linear(x, w, out=out, config=cfg)  # noqa: E731
-    base = skinny_dot.default_config(2 * i, x.shape[1])  # the launcher halves its BLOCK_N per half
+    base = dict(skinny_dot.GATED_CONFIG)  # the launcher's pick (it halves BLOCK_N per half)
     configs = [base] + [c for c in GATED_SWEEP if sweep and c != base]
     _, timings = time_gemv(run, ws, out, ref, configs)
 

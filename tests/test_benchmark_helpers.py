@@ -415,7 +415,7 @@ def test_gated_timings_check_every_tile_and_run_the_gated_launch(monkeypatch):
     x = torch.randn(5, 256, dtype=torch.bfloat16, device=device)
     ws = [torch.randn(192, 256, dtype=torch.bfloat16, device=device) / 16 for _ in range(2)]
     gated = bench.time_dot_gated(x, ws)
-    base = skinny_dot.default_config(192, 256)
+    base = dict(skinny_dot.GATED_CONFIG)  # the launcher's pick
     tiles = [base] + [c for c in bench.GATED_SWEEP if c != base]  # the default first, then the others
     assert [{k: t[k] for k in base} for t in gated["timings"]] == tiles and len(tiles) >= 2
     assert all(t.get("us") == 1.0 for t in gated["timings"]), gated["timings"]

@@ -60,8 +60,8 @@ CASES = {
     # the 1B gate/up at 3-16 rows behind an RMSNorm whose statistics are 32 partial sums
     "dot norm parts": ("attngraph.skinny_dot:_skinny_dot_kernel", DOT_TYPES,
                        {**DOT, "SPLIT_K": 1, "NORM": True, "SS_PARTS": 32}, dict(num_warps=4, num_stages=3)),
-    # the 1B gate/up at 3-16 rows with SiLU * up in the epilogue (half the tuned tile from each half)
-    "dot gated": ("attngraph.skinny_dot:_skinny_dot_kernel", DOT_TYPES, {**DOT, "SPLIT_K": 1, "BLOCK_N": 32, "GATED": True},
+    # the gate/up at 3-16 rows with SiLU * up in the epilogue (`skinny_dot.GATED_CONFIG`: 64 rows of each half)
+    "dot gated": ("attngraph.skinny_dot:_skinny_dot_kernel", DOT_TYPES, {**DOT, "SPLIT_K": 1, "BLOCK_N": 64, "GATED": True},
                   dict(num_warps=4, num_stages=3)),
 }  # fmt: skip
 
