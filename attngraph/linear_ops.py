@@ -72,12 +72,6 @@ KERNEL_MIN_HEAD_RATIO = 16
 DOT_MIN_ROWS = 3
 DOT_MAX_ROWS = 16
 DOT_MAX_WEIGHT = 1 << 26
-#: The gated MLP's fused gate/up (`add_rms_norm_gated_mlp`) runs on tensor cores up to this many
-#: weight elements, past `DOT_MAX_WEIGHT`: with SiLU * up in its epilogue the 8B gate/up
-#: (28672 x 4096) took 83.5 us at 16 rows (82.6 at 4) where the ops it replaces, cuBLAS's product
-#: and the SiLU-mul kernel, take 88.7 (88.2) for the product alone (H100, `skinny_dot.GATED_CONFIG`;
-#: ``benchmarks/bench_skinny_gemm.py --dot --projections gate_up --rows 16,4``).
-DOT_MAX_GATED_WEIGHT = 1 << 27
 #: Output heads of any size at 3-16 rows run on tensor cores too (above `DOT_MAX_WEIGHT`): with
 #: its default tile the kernel read the LM heads at their weight's floor where cuBLAS did not
 #: (H100, bf16, CUDA graphs of calls on distinct weight copies; 128256 x 2048 at 16 / 4 rows:
@@ -529,9 +523,7 @@ def _gated_dot_serves(rows: int, k: int, x: torch.Tensor, w_gate_up: torch.Tenso
     (its own folds serve one and two rows), and `DOT_FOLD_NORM` does not ask for the norm in
     the product's loads (which the gated launch does not fold: the ops it replaces run then)."""
     inter = w_gate_up.shape[0] // 2
-    fits = DOT_MIN_ROWS <= rows <= DOT_MAX_ROWS and w_gate_up.numel() <= DOT_MAX_GATED_WEIGHT
-    fits = fits and w_gate_up.shape[0] < KERNEL_MIN_HEAD_RATIO * k and _operands_fit(k, x, w_gate_up)
-    return (not DOT_FOLD_NORM and fits and _dot_kernels() is not None and not _use_kernel(rows, k, x, w_gate_up)
+    return (not DOT_FOLD_NORM and _use_dot(rows, k, x, w_gate_up) and not _use_kernel(rows, k, x, w_gate_up)
             and not _use_kernel(rows, inter, x, w_down, KERNEL_MAX_SILU_MUL_WEIGHT))  # fmt: skip
 
 
