@@ -3,7 +3,10 @@
 # project root on a machine with an NVIDIA GPU after the set-up of benchmarks/BENCHMARKS.md
 # (`pip install torch==2.11.0` and `pip install -e ".[flashinfer,triton,bench,test]"`);
 # results go to $OUT (default benchmarks/results):
-#   bash benchmarks/run_gpu.sh e2e     # the `gpu` tests against HF eager generate (about 7.5 minutes)
+#   bash benchmarks/run_gpu.sh e2e     # the `gpu` tests against HF eager generate (about 7.5 minutes on an H200;
+#                                      # longer where the host compiles slowly), or in two halves:
+#   bash benchmarks/run_gpu.sh e2e-generate  # tests/runtime/test_generate_gpu.py: architectures and folds
+#   bash benchmarks/run_gpu.sh e2e-exact     # tests/runtime/test_exact_copy_gpu.py: token-identical copies
 #   bash benchmarks/run_gpu.sh runtime # the other `gpu` tests of the runtime, soak included (ATTNGRAPH_GPU_SOAK_STEPS)
 #   bash benchmarks/run_gpu.sh tests   # every other `gpu` test (kernels, backends, passes)
 #   bash benchmarks/run_gpu.sh bench   # kernel benchmark, then end-to-end generate benchmark
@@ -39,6 +42,8 @@ gpu_tests() {  # name, then pytest's arguments
     echo "$name tests rc=$?" >> "$OUT/device.txt"
 }
 if [ "$stage" = e2e ] || [ "$stage" = all ]; then gpu_tests e2e "${E2E[@]}"; fi
+if [ "$stage" = e2e-generate ]; then gpu_tests e2e_generate "${E2E[0]}"; fi
+if [ "$stage" = e2e-exact ]; then gpu_tests e2e_exact "${E2E[1]}"; fi
 if [ "$stage" = runtime ] || [ "$stage" = all ]; then
     gpu_tests runtime tests/runtime --deselect "${E2E[0]}" --deselect "${E2E[1]}"
 fi
