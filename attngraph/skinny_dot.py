@@ -88,7 +88,8 @@ _CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
 #: program, 64 from each half (a wgmma tile each; at 32 per half the products take mma.sync),
 #: K unsplit. Measured fastest of seven tiles at 4 and 16 rows for the 1B and 8B gate/up on an
 #: H100 (`benchmarks/bench_skinny_gemm.py --dot --projections gate_up`): 1B 24.9 against 26.1 us
-#: with the plain tile halved, 8B 83.5 against 94.7.
+#: with the plain tile halved, 8B 83.5 against 94.7 (a model's 8B gate/up, above
+#: `linear_ops.DOT_MAX_WEIGHT`, stays cuBLAS's product).
 GATED_CONFIG: dict[str, int] = dict(BLOCK_N=128, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=3)
 
 
