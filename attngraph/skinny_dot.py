@@ -21,7 +21,10 @@ tall side of the tensor-core tile:
   H100 at 16 rows the 1B q/k/v took 16.3 us with the sums given, 18.8 with every program's
   pass over x, 8.8 for the norm's own launch followed by the plain kernel (gate/up: 29.6,
   33.7, 26.4; ``benchmarks/bench_skinny_gemm.py --dot --dot-default --norm``), so no op
-  uses it;
+  uses it. Those timings read the norm weight as a ``[BLOCK_K]`` vector, 2 bytes per thread,
+  which the pipeliner cannot prefetch (`cp.async` moves 4-16 bytes): every chunk waited for
+  it. It is now read as a ``[16, BLOCK_K]`` tile in x's layout, prefetched with the weight
+  (sm_90 PTX: no load left in the loop that is waited for); not yet timed;
 * ``ROPE``: a fused q/k/v projection's first columns leave rotated by HF's rotate-half RoPE
   (`passes.fold_rope_linear`), with `skinny_linear`'s column layout and epilogue;
 * ``GATED``: a gated MLP's fused gate/up projection ``W = [W_gate; W_up]`` (``[2I, K]``) leaves
@@ -52,7 +55,6 @@ from .pdl import gdc_launch_dependents, gdc_wait
 from .skinny_linear import (
     _output,
     _residual_chunk,
-    _rms_norm_chunk,
     _rms_rstd,
     _rope_columns,
     _rope_rows,
@@ -119,7 +121,13 @@ def _operand_chunk(x_rows, x2_rows, nw_ptr, rstd, offs_k, mask_m, K, EVEN_K: tl.
     DTYPE = x_rows.dtype.element_ty
     if NORM:
         h = _residual_chunk(x_rows, x2_rows, offs_k, mask_x, RESIDUAL, DTYPE, SOFT_BF16)  # [16, BLOCK_K] fp32
-        x = _rms_norm_chunk(h, nw_ptr, rstd, offs_k, offs_k < K, DTYPE, SOFT_BF16).to(DTYPE)  # on DTYPE's grid already
+        normed = _round(h * rstd[:, None], DTYPE, SOFT_BF16).to(tl.float32)
+        # the norm weight read as a [16, BLOCK_K] tile (every row the same [BLOCK_K]): the
+        # layout of x's chunk, whose 16-byte loads the pipeliner prefetches with the weight's;
+        # a [BLOCK_K] vector of 2 bytes per thread is loaded in the loop and waited for
+        nw_offs = tl.zeros([16, 1], dtype=tl.int32) + offs_k[None, :]  # [16, BLOCK_K]
+        nw = tl.load(nw_ptr + nw_offs, mask=nw_offs < K, other=0.0).to(tl.float32)
+        x = _round(nw * normed, DTYPE, SOFT_BF16).to(DTYPE)  # HF's weight * normed, rounded
     else:
         x = tl.load(x_rows + offs_k[None, :], mask=mask_x, other=0.0)
         if SILU_MUL:
