@@ -118,6 +118,29 @@ def test_prefetches_precede_the_wait_and_nothing_spills(compiled, case):
     assert weight_loads and all(op.endswith(".v4.b32") for op in weight_loads), sorted(set(weight_loads))
 
 
+def _loops(ptx: str) -> list[str]:
+    """The bodies of the PTX's loops (from a label to the branch back to it)."""
+    lines = ptx.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^\$(\w+):", line.strip()))}
+    bodies = []
+    for i, line in enumerate(lines):
+        m = re.search(r"bra(?:\.uni)?\s+\$(\w+);", line)
+        if m and labels.get(m.group(1), i) < i:
+            bodies.append("\n".join(lines[labels[m.group(1)]:i]))
+    return bodies
+
+
+@pytest.mark.parametrize("case", ["dot norm residual", "dot norm parts"])
+def test_dot_norm_loop_waits_on_no_plain_load(compiled, case):
+    """The tensor-core kernel with the RMSNorm in its loads: the K loop (the one with the
+    wgmma) reads x, the residual and the norm weight only through the pipeliner's ``cp.async``
+    copies, no ``ld.global`` it would wait for in every chunk (the norm weight as a
+    ``[BLOCK_K]`` vector of 2 bytes per thread was one)."""
+    (loop,) = [body for body in _loops(compiled[case, False]["ptx"]) if "wgmma.mma_async" in body]
+    assert "cp.async.cg.shared.global" in loop
+    assert "ld.global" not in loop, [line.strip() for line in loop.splitlines() if "ld.global" in line]
+
+
 def test_gemv_loop_streams_the_next_chunks():
     """``STAGES > 1``: Triton's pipeliner issues the next chunks' weight and x loads as
     ``cp.async`` copies into shared memory before the current chunk is multiplied; with
