@@ -23,8 +23,9 @@ tall side of the tensor-core tile:
   33.7, 26.4; ``benchmarks/bench_skinny_gemm.py --dot --dot-default --norm``), so no op
   uses it. Those timings read the norm weight as a ``[BLOCK_K]`` vector, 2 bytes per thread,
   which the pipeliner cannot prefetch (`cp.async` moves 4-16 bytes): every chunk waited for
-  it. It is now read as a ``[16, BLOCK_K]`` tile in x's layout, prefetched with the weight
-  (sm_90 PTX: no load left in the loop that is waited for); not yet timed;
+  it. It is now read as a ``[16, BLOCK_K]`` tile in x's layout, prefetched with the weight,
+  and the pass for the statistics is pipelined 3 deep (sm_90 PTX: no load left in either loop
+  that is waited for); not yet timed;
 * ``ROPE``: a fused q/k/v projection's first columns leave rotated by HF's rotate-half RoPE
   (`passes.fold_rope_linear`), with `skinny_linear`'s column layout and epilogue;
 * ``GATED``: a gated MLP's fused gate/up projection ``W = [W_gate; W_up]`` (``[2I, K]``) leaves
@@ -229,7 +230,7 @@ def _skinny_dot_kernel(
         if NORM and SS_PARTS > 0:  # the statistics from partial sums: no pass over x
             rstd = _rstd_of_parts(SS, stride_ssp, rows, mask_m, K, eps, SS_PARTS)
         elif NORM:  # the rows' statistics need all of x: every program reads it (from L2)
-            rstd = _rms_rstd(x_rows, x2_rows, h_rows, K, eps, mask_m, h_count, 16, BLOCK_K, RESIDUAL, DTYPE, SOFT_BF16)
+            rstd = _rms_rstd(x_rows, x2_rows, h_rows, K, eps, mask_m, h_count, 16, BLOCK_K, RESIDUAL, DTYPE, SOFT_BF16, 3)
         x = _operand_chunk(x_rows, x2_rows, NW, rstd, offs_k, mask_m, K, EVEN_K, SILU_MUL, NORM, RESIDUAL, UPCAST, SOFT_BF16)
         acc = tl.dot(w.to(x.dtype), tl.trans(x), acc, input_precision=PRECISION)
         if GATED:
@@ -238,7 +239,7 @@ def _skinny_dot_kernel(
     elif NORM and SS_PARTS > 0:
         rstd = _rstd_of_parts(SS, stride_ssp, rows, mask_m, K, eps, SS_PARTS)
     elif NORM:
-        rstd = _rms_rstd(x_rows, x2_rows, h_rows, K, eps, mask_m, h_count, 16, BLOCK_K, RESIDUAL, DTYPE, SOFT_BF16)
+        rstd = _rms_rstd(x_rows, x2_rows, h_rows, K, eps, mask_m, h_count, 16, BLOCK_K, RESIDUAL, DTYPE, SOFT_BF16, 3)
     for k0 in range(k_first, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
         w = _weight_chunk(w_rows, offs_k, mask_n, K, EVEN_K)

@@ -169,13 +169,15 @@ def _rows_chunk(x_rows, x2_rows, nw_ptr, rstd, offs_k, mask_x, mask_k, SILU_MUL:
 
 @triton.jit
 def _rms_rstd(x_rows, x2_rows, h_rows, K, eps, mask_m, h_count, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-              RESIDUAL: tl.constexpr, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):  # fmt: skip
+              RESIDUAL: tl.constexpr, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr, STAGES: tl.constexpr = 1):  # fmt: skip
     """``rsqrt(mean(h^2) + eps)`` per row ``[ROWS]`` of ``h = x (+ x2)`` over all ``K``; the
     first ``h_count`` rows of ``h`` (the residual stream) are also stored (M rows by one
-    program of the launch, 0 by the others)."""
+    program of the launch, 0 by the others). ``STAGES > 1``: the loop software-pipelined that
+    deep (the next chunks' loads in flight while one is summed; a loop of many short chunks
+    otherwise waits for each load in turn)."""
     ss = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
     mask_h = tl.arange(0, ROWS) < h_count  # [ROWS]
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_x = mask_m[:, None] & (offs_k < K)[None, :]
         h = _residual_chunk(x_rows, x2_rows, offs_k, mask_x, RESIDUAL, DTYPE, SOFT_BF16)

@@ -135,10 +135,14 @@ def test_dot_norm_loop_waits_on_no_plain_load(compiled, case):
     """The tensor-core kernel with the RMSNorm in its loads: the K loop (the one with the
     wgmma) reads x, the residual and the norm weight only through the pipeliner's ``cp.async``
     copies, no ``ld.global`` it would wait for in every chunk (the norm weight as a
-    ``[BLOCK_K]`` vector of 2 bytes per thread was one)."""
-    (loop,) = [body for body in _loops(compiled[case, False]["ptx"]) if "wgmma.mma_async" in body]
-    assert "cp.async.cg.shared.global" in loop
-    assert "ld.global" not in loop, [line.strip() for line in loop.splitlines() if "ld.global" in line]
+    ``[BLOCK_K]`` vector of 2 bytes per thread was one), and so does the pass over x for the
+    rows' statistics where the kernel makes one (``_rms_rstd``'s ``STAGES``)."""
+    loops = _loops(compiled[case, False]["ptx"])
+    assert sum("wgmma.mma_async" in body for body in loops) == 1
+    assert len(loops) == (2 if case == "dot norm residual" else 1)
+    for loop in loops:
+        assert "cp.async.cg.shared.global" in loop
+        assert "ld.global" not in loop, [line.strip() for line in loop.splitlines() if "ld.global" in line]
 
 
 def test_gemv_loop_streams_the_next_chunks():
