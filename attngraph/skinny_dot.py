@@ -56,6 +56,7 @@ from .pdl import gdc_launch_dependents, gdc_wait
 from .skinny_linear import (
     _output,
     _residual_chunk,
+    _rms_norm_scaled,
     _rms_rstd,
     _rope_columns,
     _rope_rows,
@@ -122,13 +123,12 @@ def _operand_chunk(x_rows, x2_rows, nw_ptr, rstd, offs_k, mask_m, K, EVEN_K: tl.
     DTYPE = x_rows.dtype.element_ty
     if NORM:
         h = _residual_chunk(x_rows, x2_rows, offs_k, mask_x, RESIDUAL, DTYPE, SOFT_BF16)  # [16, BLOCK_K] fp32
-        normed = _round(h * rstd[:, None], DTYPE, SOFT_BF16).to(tl.float32)
         # the norm weight read as a [16, BLOCK_K] tile (every row the same [BLOCK_K]): the
         # layout of x's chunk, whose 16-byte loads the pipeliner prefetches with the weight's;
         # a [BLOCK_K] vector of 2 bytes per thread is loaded in the loop and waited for
         nw_offs = tl.zeros([16, 1], dtype=tl.int32) + offs_k[None, :]  # [16, BLOCK_K]
         nw = tl.load(nw_ptr + nw_offs, mask=nw_offs < K, other=0.0).to(tl.float32)
-        x = _round(nw * normed, DTYPE, SOFT_BF16).to(DTYPE)  # HF's weight * normed, rounded
+        x = _rms_norm_scaled(h, nw, rstd, DTYPE, SOFT_BF16).to(DTYPE)  # on DTYPE's grid already
     else:
         x = tl.load(x_rows + offs_k[None, :], mask=mask_x, other=0.0)
         if SILU_MUL:

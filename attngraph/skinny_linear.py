@@ -144,9 +144,16 @@ def _residual_chunk(x_rows, r_rows, offs_k, mask_x, RESIDUAL: tl.constexpr, DTYP
 def _rms_norm_chunk(h, nw_ptr, rstd, offs_k, mask_k, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
     """HF's RMSNorm of the fp32 chunk ``h`` ``[ROWS, BLOCK_K]`` given its rows' ``rstd``
     ``[ROWS]``: ``weight * (h * rstd).to(dtype)``, both products rounded to ``DTYPE``."""
-    normed = _round(h * rstd[:, None], DTYPE, SOFT_BF16).to(tl.float32)
     nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)  # [BLOCK_K]
-    return _round(nw[None, :] * normed, DTYPE, SOFT_BF16).to(tl.float32)
+    return _rms_norm_scaled(h, nw[None, :], rstd, DTYPE, SOFT_BF16)
+
+
+@triton.jit
+def _rms_norm_scaled(h, nw, rstd, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """`_rms_norm_chunk` given the norm weight ``nw`` already loaded (fp32, broadcastable to
+    ``h``'s ``[ROWS, BLOCK_K]``): ``nw * (h * rstd).to(dtype)``, both products rounded."""
+    normed = _round(h * rstd[:, None], DTYPE, SOFT_BF16).to(tl.float32)
+    return _round(nw * normed, DTYPE, SOFT_BF16).to(tl.float32)
 
 
 @triton.jit
