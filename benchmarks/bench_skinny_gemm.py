@@ -22,6 +22,7 @@ call, launch gaps included.
     python benchmarks/bench_skinny_gemm.py --quick --norm --rows 1   # + RMSNorm folded into q/k/v, gate/up
     python benchmarks/bench_skinny_gemm.py --dot --rows 4,16 --no-gemv   # + the tensor-core kernel (3-16 rows)
     python benchmarks/bench_skinny_gemm.py --dot --dot-default --norm --rows 16 --no-gemv --shapes 1b   # + RMSNorm variants
+    python benchmarks/bench_skinny_gemm.py --dot --no-gemv --projections gate_up --rows 16,4   # the gated tiles only
 
 ``--dot`` adds `attngraph.skinny_dot` (3-16 rows on tensor cores, SiLU * up folded for the down
 projection) at its default configuration and the best of a small sweep (`DOT_SWEEP`;
