@@ -72,6 +72,12 @@ KERNEL_MIN_HEAD_RATIO = 16
 DOT_MIN_ROWS = 3
 DOT_MAX_ROWS = 16
 DOT_MAX_WEIGHT = 1 << 26
+#: The gated MLP's fused gate/up (`add_rms_norm_gated_mlp`) runs on tensor cores up to this many
+#: weight elements, past `DOT_MAX_WEIGHT`: with SiLU * up in its epilogue the 8B gate/up
+#: (28672 x 4096) took 83.5 us at 16 rows (82.6 at 4) where the ops it replaces, cuBLAS's product
+#: and the SiLU-mul kernel, take 88.7 (88.2) for the product alone (H100, `skinny_dot.GATED_CONFIG`;
+#: ``benchmarks/bench_skinny_gemm.py --dot --projections gate_up --rows 16,4``).
+DOT_MAX_GATED_WEIGHT = 1 << 27
 #: Output heads of any size at 3-16 rows run on tensor cores too (above `DOT_MAX_WEIGHT`): with
 #: its default tile the kernel read the LM heads at their weight's floor where cuBLAS did not
 #: (H100, bf16, CUDA graphs of calls on distinct weight copies; 128256 x 2048 at 16 / 4 rows:
@@ -222,14 +228,16 @@ def _rope_in_dot(rope: tuple) -> bool:
     return _dot_kernels().rope_fits(cos.shape[-1]) and _rope_fits(True, cos, sin)
 
 
-def kernel_may_serve(n: int, k: int, silu_mul: bool = False) -> bool:
+def kernel_may_serve(n: int, k: int, silu_mul: bool = False, gated: bool = False) -> bool:
     """Whether some row count runs an ``[n, k]`` weight on the kernel (the pass's test: a
     linear no step would run there stays ``F.linear``, inductor's to schedule). Plain: weights
     of at most `KERNEL_MAX_WEIGHT` elements, `KERNEL_MAX_WEIGHT_ONE_ROW` (one row), or output
     heads (``n >= KERNEL_MIN_HEAD_RATIO * k``, one row); folding SiLU * up:
-    `KERNEL_MAX_SILU_MUL_WEIGHT`; on tensor cores (3-16 rows): `DOT_MAX_WEIGHT` and heads."""
+    `KERNEL_MAX_SILU_MUL_WEIGHT`; on tensor cores (3-16 rows): `DOT_MAX_WEIGHT` and heads;
+    ``gated`` (a fused gate/up product whose halves feed SiLU * up, which `add_rms_norm_gated_mlp`
+    may take): `DOT_MAX_GATED_WEIGHT`."""
     numel = n * k
-    if numel <= DOT_MAX_WEIGHT and n < KERNEL_MIN_HEAD_RATIO * k:
+    if numel <= (DOT_MAX_GATED_WEIGHT if gated else DOT_MAX_WEIGHT) and n < KERNEL_MIN_HEAD_RATIO * k:
         return True
     if silu_mul:
         return numel <= KERNEL_MAX_SILU_MUL_WEIGHT
@@ -523,7 +531,9 @@ def _gated_dot_serves(rows: int, k: int, x: torch.Tensor, w_gate_up: torch.Tenso
     (its own folds serve one and two rows), and `DOT_FOLD_NORM` does not ask for the norm in
     the product's loads (which the gated launch does not fold: the ops it replaces run then)."""
     inter = w_gate_up.shape[0] // 2
-    return (not DOT_FOLD_NORM and _use_dot(rows, k, x, w_gate_up) and not _use_kernel(rows, k, x, w_gate_up)
+    fits = DOT_MIN_ROWS <= rows <= DOT_MAX_ROWS and w_gate_up.numel() <= DOT_MAX_GATED_WEIGHT
+    fits = fits and w_gate_up.shape[0] < KERNEL_MIN_HEAD_RATIO * k and _operands_fit(k, x, w_gate_up)
+    return (not DOT_FOLD_NORM and fits and _dot_kernels() is not None and not _use_kernel(rows, k, x, w_gate_up)
             and not _use_kernel(rows, inter, x, w_down, KERNEL_MAX_SILU_MUL_WEIGHT))  # fmt: skip
 
 

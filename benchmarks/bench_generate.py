@@ -75,6 +75,7 @@ ONE_ROW_DEFAULT = linear_ops.KERNEL_MAX_WEIGHT_ONE_ROW
 DOT_DEFAULTS = (linear_ops.DOT_MAX_ROWS, linear_ops.DOT_MAX_WEIGHT)
 DOT_FOLD_NORM_DEFAULT, DOT_MIN_ROWS_DEFAULT = linear_ops.DOT_FOLD_NORM, linear_ops.DOT_MIN_ROWS
 DOT_HEADS_DEFAULT = linear_ops.DOT_HEADS
+GATED_WEIGHT_DEFAULT = linear_ops.DOT_MAX_GATED_WEIGHT
 
 
 def gemv_table(value: str, tuned):
@@ -199,7 +200,7 @@ PDL_LABELS = {"on": "", "ours": " pdl=attngraph kernels only", "off": " pdl=off"
 #: The switches a row combines, in the order of its variant tuple (``--variant`` names them so).
 VARIANT_SWITCHES = ("backends", "skinny", "fold_rms_norm", "pdl", "one_row_limit", "dot", "prefetch", "dot_fold_norm",
                     "dot_min_rows", "fold_rope", "l2_prefetch_mlp", "norm_epilogue", "gemv_table", "decode_block_n",
-                    "decode_min_split", "fuse_o", "decode_merge_chunk", "gated_mlp", "l2_prefetch_o", "dot_heads")  # fmt: skip
+                    "decode_min_split", "fuse_o", "decode_merge_chunk", "gated_mlp", "l2_prefetch_o", "dot_heads", "gated_weight_limit")  # fmt: skip
 
 #: ``--loops``: generate keywords per decoding loop.
 LOOPS = {"chunks": {}, "steps": {"logits_processor": transformers.LogitsProcessorList([_KeepScores()])}}
@@ -375,6 +376,10 @@ def main() -> None:
     p.add_argument("--gated-mlp", default="default",
                    help="CompileConfig.fuse_gated_mlp (a gated MLP as one op: SiLU * up in the tensor-core gate/up "
                         "product's epilogue at 3-16 rows): default (the config's), on and/or off, comma-separated")  # fmt: skip
+    p.add_argument("--gated-weight-limit", default="default",
+                   help="linear_ops.DOT_MAX_GATED_WEIGHT: the largest fused gate/up weight (elements) the gated MLP op "
+                        "runs on tensor cores (and skinny_linears wraps for it): default (the module's) and/or values, "
+                        "comma-separated")  # fmt: skip
     p.add_argument("--fuse-o", default="default",
                    help="CompileConfig.fuse_attention_o (attention and the output projection as one op; one launch "
                         "for a decode step of one request on Triton): default (the config's), off and/or on, on-sN "
@@ -419,6 +424,8 @@ def main() -> None:
         p.error(f"--decode-block-n takes 'default' or powers of two >= 16; got {', '.join(bad)}")
     if bad := [v for v in args.gated_mlp.split(",") if v not in ("default", "on", "off")]:
         p.error(f"--gated-mlp takes default, on and/or off; got {', '.join(bad)}")
+    if bad := [v for v in args.gated_weight_limit.split(",") if v != "default" and not (v.isdigit() and int(v) > 0)]:
+        p.error(f"--gated-weight-limit takes 'default' or positive element counts; got {', '.join(bad)}")
     if bad := [v for v in args.dot_heads.split(",") if v not in ("default", "on", "off")]:
         p.error(f"--dot-heads takes default, on and/or off; got {', '.join(bad)}")
     if bad := [v for v in args.l2_prefetch_o.split(",") if v not in ("on", "off")]:
@@ -483,7 +490,7 @@ def main() -> None:
                     except Exception as exc:
                         add("HF static cache + torch.compile", b, error=f"{type(exc).__name__}: {exc}"[:500])
                     torch._dynamo.reset()
-        variants = [(name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn, dms, fo, mc, gm, l2o, dh) for name in args.backends.split(",") if name
+        variants = [(name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn, dms, fo, mc, gm, l2o, dh, gw) for name in args.backends.split(",") if name
                     for skinny in args.skinny.split(",") for fold in args.fold_rms_norm.split(",") for pdl in args.pdl.split(",")
                     for limit in args.one_row_limit.split(",") for dot in args.dot.split(",")
                     for pf in args.prefetch.split(",") for dfold in args.dot_fold_norm.split(",")
@@ -492,14 +499,15 @@ def main() -> None:
                     for gt in args.gemv_table.split(",") for dbn in args.decode_block_n.split(",")
                     for dms in args.decode_min_split.split(",") for fo in args.fuse_o.split(",")
                     for mc in args.decode_merge_chunk.split(",") for gm in args.gated_mlp.split(",")
-                    for l2o in args.l2_prefetch_o.split(",") for dh in args.dot_heads.split(",")]  # fmt: skip
+                    for l2o in args.l2_prefetch_o.split(",") for dh in args.dot_heads.split(",")
+                    for gw in args.gated_weight_limit.split(",")]  # fmt: skip
         if variant_specs:  # --variant: the named rows only, in their order
             variants = variant_specs
 
         def apply(variant: tuple) -> tuple[str, dict]:
             """Set the module settings of ``variant`` (read at compile and capture); its label and
             `attngraph.accelerate`'s keywords."""
-            name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn, dms, fo, mc, gm, l2o, dh = variant
+            name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn, dms, fo, mc, gm, l2o, dh, gw = variant
             label = f"attngraph[{name}]" + ("" if skinny == "on" else " skinny_linears=False") + PDL_LABELS[pdl]
             label += "" if fold == "on" else " fold_rms_norm=False"
             label += "" if limit == "default" else f" one-row GEMV <= {limit}"
@@ -518,6 +526,7 @@ def main() -> None:
             label += "" if gm == "default" else f" gated-mlp={gm}"
             label += "" if l2o == "off" else " l2-prefetch-o=on"
             label += "" if dh == "default" else f" dot-heads={dh}"
+            label += "" if gw == "default" else f" gated-weight-limit={gw}"
             # the constructor's default, read when accelerate makes the backend
             triton_backend.TritonBackend.__init__.__kwdefaults__["min_split_len"] = (
                 min_split_default if dms == "default" else int(dms))  # fmt: skip
@@ -538,9 +547,13 @@ def main() -> None:
             linear_ops.DOT_FOLD_NORM = DOT_FOLD_NORM_DEFAULT if dfold == "default" else dfold == "on"
             linear_ops.DOT_MIN_ROWS = DOT_MIN_ROWS_DEFAULT if dmin == "default" else int(dmin)
             linear_ops.DOT_HEADS = DOT_HEADS_DEFAULT if dh == "default" else dh == "on"  # read at capture
+            # read by skinny_linears and fuse_gated_mlp at compile, by the gated op at capture
+            linear_ops.DOT_MAX_GATED_WEIGHT = GATED_WEIGHT_DEFAULT if gw == "default" else int(gw)
             weight_prefetch.ENABLED = prefetch_default if pf == "default" else pf == "on"  # read at capture
             # off: no row count runs the tensor-core kernel, and the pass wraps no linear for it
             linear_ops.DOT_MAX_ROWS, linear_ops.DOT_MAX_WEIGHT = (DOT_DEFAULTS if dot == "on" else (0, 0))
+            if dot != "on":
+                linear_ops.DOT_MAX_GATED_WEIGHT = 0
             attngraph.pdl.ENABLED, attngraph.pdl.INDUCTOR = pdl != "off", pdl == "on"  # read at compile and capture
             linear_ops.KERNEL_MAX_WEIGHT_ONE_ROW = ONE_ROW_DEFAULT if limit == "default" else int(limit)
             options.update(attention_backend=name, kv_cache_tokens=1 << 15, skinny_linears=skinny == "on",

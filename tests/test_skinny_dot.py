@@ -217,6 +217,31 @@ def test_gated_mlp_op_equals_the_ops_it_replaces(kernel_ops, monkeypatch, m):
         linear_ops.add_rms_norm_gated_mlp(x, r, nw, 1e-5, w_gu[:191], w_down)
 
 
+@pytest.mark.parametrize("gated_limit,takes", [(2 * 96 * 64, True), (2 * 96 * 64 - 1, False)])
+def test_gated_mlp_op_has_its_own_weight_limit(kernel_ops, monkeypatch, gated_limit, takes):
+    """The gated launch takes gate/up weights up to `linear_ops.DOT_MAX_GATED_WEIGHT` elements,
+    past the plain products' `DOT_MAX_WEIGHT` (here lowered below the weight); above it the op
+    runs the ops it replaces, bit for bit."""
+    gated = []
+    launch = sd._launch
+    monkeypatch.setattr(sd, "_launch", lambda *a, **kw: gated.append(kw.get("gated", False)) or launch(*a, **kw))
+    monkeypatch.setattr(linear_ops, "DOT_MAX_WEIGHT", 64 * 64)
+    monkeypatch.setattr(linear_ops, "DOT_MAX_GATED_WEIGHT", gated_limit)
+    gen = torch.Generator().manual_seed(gated_limit)
+    x, r = ((torch.randn(5, 64, generator=gen) * 2).to(torch.bfloat16).to(kernel_ops) for _ in range(2))
+    nw = (torch.rand(64, generator=gen) + 0.5).to(torch.bfloat16).to(kernel_ops)
+    w_gu = (torch.randn(2 * 96, 64, generator=gen) / 4).to(torch.bfloat16).to(kernel_ops)
+    w_down = (torch.randn(48, 96, generator=gen) / 10).to(torch.bfloat16).to(kernel_ops)
+    out, _ = linear_ops.add_rms_norm_gated_mlp(x, r, nw, 1e-5, w_gu, w_down)
+    y, _ = linear_ops.add_rms_norm_linear(x, r, nw, 1e-5, w_gu)
+    ref = linear_ops.silu_mul_linear(y[:, :96], y[:, 96:], w_down)
+    assert any(gated) == takes
+    if takes:
+        torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    else:
+        assert torch.equal(out, ref)
+
+
 def test_ops_keep_fp32_off_tensor_cores(kernel_ops, monkeypatch):
     monkeypatch.setattr(sd, "_launch", lambda *a, **kw: pytest.fail("tensor-core kernel launched"))
     x, w, _ = make(2, 8, 48, 64, torch.float32, kernel_ops)

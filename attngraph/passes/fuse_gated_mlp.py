@@ -23,7 +23,7 @@ Refused, with the reason in `FuseGatedMlpResult.refused`: a down projection whos
 not the two halves of one ``add_rms_norm_linear`` product (separate gate and up linears, a
 norm left unfolded), a product or half read elsewhere, a bias or a rotation on the gate/up
 product, different row kinds on the two products, weights without a static shape, a gate/up
-weight the tensor-core kernel never takes (above `linear_ops.DOT_MAX_WEIGHT` elements: the op
+weight the tensor-core kernel never takes (above `linear_ops.DOT_MAX_GATED_WEIGHT` elements: the op
 would only ever run the ops it replaces), a down weight computed after the gate/up product.
 """
 
@@ -99,7 +99,7 @@ def _match(down: fx.Node, order: dict) -> tuple[fx.Node, list[fx.Node]] | str:
     if w_gate_up[0] != 2 * a_len or w_down[1] != a_len:
         return "the halves do not split the gate/up weight in two"
     n, k = w_gate_up
-    if n * k > linear_ops.DOT_MAX_WEIGHT or n >= linear_ops.KERNEL_MIN_HEAD_RATIO * k:
+    if n * k > linear_ops.DOT_MAX_GATED_WEIGHT or n >= linear_ops.KERNEL_MIN_HEAD_RATIO * k:
         return "the tensor-core kernel never takes the gate/up weight (the op would run the ops it replaces)"
     if order[down.args[2]] > order[gate_up]:
         return "the down weight is computed after the gate/up product"

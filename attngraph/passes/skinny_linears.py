@@ -22,7 +22,10 @@ Linears that no row count runs on a Triton kernel stay as they are (`SkinnyResul
 `KERNEL_MAX_WEIGHT_ONE_ROW` where one row would take them, except output heads, and above
 `linear_ops.DOT_MAX_WEIGHT` (the tensor-core kernel's limit, heads aside); a down
 projection that folds SiLU * up has the larger `linear_ops.KERNEL_MAX_SILU_MUL_WEIGHT`, since
-the fold also saves the product's launch. Left alone,
+the fold also saves the product's launch, and a fused gate/up product whose halves feed that
+SiLU * up `linear_ops.DOT_MAX_GATED_WEIGHT`, the gated MLP op's (`passes.fuse_gated_mlp`: with
+SiLU * up in its epilogue the tensor-core kernel beat cuBLAS on Llama-3.1-8B's gate/up, which
+stays cuBLAS's elsewhere inside the op). Left alone,
 with the reason in `SkinnyResult.refused`: a linear with keyword arguments or a weight that is
 not a matrix of known shape; a SiLU or product read by anything else is not folded into
 the down projection (that linear still becomes ``attngraph.linear``).
@@ -89,9 +92,42 @@ def _silu_mul_operands(x: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     return None
 
 
-def _fits(weight: torch.Tensor, max_weight: int | None, silu_mul: bool) -> bool:
+def _last_dim_half_of(node) -> fx.Node | None:
+    """``y`` for ``node = y.narrow(-1, start, length)`` (through a ``.contiguous()`` read only
+    there), else None."""
+    node = _behind_contiguous(node) if isinstance(node, fx.Node) else node
+    if not (isinstance(node, fx.Node) and node.op == "call_method" and node.target == "narrow" and not node.kwargs):
+        return None
+    if len(node.args) != 4 or not isinstance(node.args[0], fx.Node) or node.args[1] != -1:
+        return None
+    return node.args[0]
+
+
+def _gated_products(graph: fx.Graph) -> set[fx.Node]:
+    """The linears without a bias whose output is read only as two last-dim slices (through
+    ``.contiguous()``) that are the operands of one ``silu(a) * b`` feeding a linear: a gated
+    MLP's fused gate/up product (`fuse_linears`), which `fuse_gated_mlp` may make one op whose
+    tensor-core launch forms SiLU * up in its epilogue (`linear_ops.DOT_MAX_GATED_WEIGHT`)."""
+    found: set[fx.Node] = set()
+    for node in graph.nodes:
+        if not (_is_call(node, LINEAR_TARGETS) and not node.kwargs and node.args and isinstance(node.args[0], fx.Node)):
+            continue
+        operands = _silu_mul_operands(node.args[0])
+        if operands is None:
+            continue
+        a, b = (_last_dim_half_of(op) for op in operands)
+        if a is None or a is not b or not _is_call(a, LINEAR_TARGETS) or a.kwargs or len(a.args) > 3:
+            continue
+        if (len(a.args) == 3 and a.args[2] is not None) or len(a.users) != 2:
+            continue
+        found.add(a)
+    return found
+
+
+def _fits(weight: torch.Tensor, max_weight: int | None, silu_mul: bool, gated: bool = False) -> bool:
     """Whether the op may run ``weight`` on the kernel: at most ``max_weight`` elements; -1:
-    `linear_ops.kernel_may_serve` (the ops' own limits, the one-row ones included)."""
+    `linear_ops.kernel_may_serve` (the ops' own limits, the one-row ones included; ``gated``:
+    a gated MLP's gate/up product, `_gated_products`)."""
     from .. import linear_ops
 
     if max_weight is None:
@@ -100,7 +136,7 @@ def _fits(weight: torch.Tensor, max_weight: int | None, silu_mul: bool) -> bool:
     if not (isinstance(n, int) and isinstance(k, int)):  # a symbolic size: not a weight
         return False
     if max_weight == -1:
-        return linear_ops.kernel_may_serve(n, k, silu_mul)
+        return linear_ops.kernel_may_serve(n, k, silu_mul, gated)
     return n * k <= max_weight
 
 
@@ -168,6 +204,7 @@ def skinny_linears(
 
     result = SkinnyResult()
     graph = gm.graph
+    gated = _gated_products(graph) if max_weight == -1 else set()
     for node in list(graph.nodes):
         if not _is_call(node, LINEAR_TARGETS):
             continue
@@ -183,7 +220,7 @@ def skinny_linears(
             result.refused.append((node.name, "the weight is not a matrix of known shape"))
             continue
         operands = _silu_mul_operands(x) if fold_silu_mul and b is None else None
-        if not _fits(weight, max_weight, operands is not None):
+        if not _fits(weight, max_weight, operands is not None, node in gated):
             result.kept.append(node.name)
             continue
         folded: list[fx.Node] = []

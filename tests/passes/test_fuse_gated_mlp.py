@@ -13,7 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 from attngraph import linear_ops
 from attngraph.passes.fold_rms_norm import fold_rms_norm
 from attngraph.passes.fuse_gated_mlp import fuse_gated_mlp
-from attngraph.passes.fuse_linears import fuse_linears
+from attngraph.passes.fuse_linears import LINEAR_TARGETS, fuse_linears
 from attngraph.passes.skinny_linears import skinny_linears
 
 from .test_skinny_linears import count, traced
@@ -97,12 +97,30 @@ def test_bf16_values_are_the_replaced_ops_bits():
 ])  # fmt: skip
 def test_refused_where_unsafe_or_useless(monkeypatch, case, reason):
     if case == "above_dot_limit":
-        monkeypatch.setattr(linear_ops, "DOT_MAX_WEIGHT", 160 * 48 - 1)
+        monkeypatch.setattr(linear_ops, "DOT_MAX_GATED_WEIGHT", 160 * 48 - 1)
     module = Block(mlp_bias=case == "bias")
     gm, real, extra, before, result = rewritten(module, fuse=case != "separate_linears", norm=case != "norm_unfolded")
     assert count(gm, GATED) == 0 and not result.fused
     assert (count(gm, ADD_NORM_LINEAR), count(gm, SILU_MUL)) == before
     assert [r for _, r in result.refused if reason in r], result.refused
+    o, r = torch.randn(4, 48), torch.randn(4, 48)
+    torch.testing.assert_close(run(gm, real, extra, o, r), module(o, r), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("gated_limit, fused", [(160 * 48, True), (160 * 48 - 1, False)])
+def test_gate_up_past_every_plain_limit_is_fused_up_to_the_gated_limit(monkeypatch, gated_limit, fused):
+    """The gated op has its own weight limit (`linear_ops.DOT_MAX_GATED_WEIGHT`): a gate/up
+    weight above every plain limit (which `skinny_linears` alone would keep as ``F.linear``) is
+    still fused through the whole chain of passes; one element past the gated limit it stays
+    cuBLAS's, its down projection still folding SiLU * up."""
+    for name in ("KERNEL_MAX_WEIGHT", "KERNEL_MAX_WEIGHT_ONE_ROW", "DOT_MAX_WEIGHT"):
+        monkeypatch.setattr(linear_ops, name, 160 * 48 - 1)
+    monkeypatch.setattr(linear_ops, "DOT_MAX_GATED_WEIGHT", gated_limit)
+    module = Block()
+    gm, real, extra, before, result = rewritten(module)
+    assert count(gm, GATED) == int(fused) and len(result.fused) == int(fused), result.refused
+    assert before == ((1, 1) if fused else (0, 1))
+    assert count(gm, LINEAR_TARGETS) == int(not fused)
     o, r = torch.randn(4, 48), torch.randn(4, 48)
     torch.testing.assert_close(run(gm, real, extra, o, r), module(o, r), rtol=1e-5, atol=1e-5)
 

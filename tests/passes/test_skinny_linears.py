@@ -200,6 +200,52 @@ def test_the_default_limits_let_a_folding_down_projection_past_the_plain_limit(m
     assert len(skinny_linears(gm).kept) == 3
 
 
+@pytest.mark.parametrize("fuse, gated_limit, taken", [(True, 7680, True), (True, 7679, False), (False, 10**6, False)])
+def test_a_gated_mlps_fused_gate_up_has_the_gated_limit(monkeypatch, fuse, gated_limit, taken):
+    """A fused gate/up product (160 x 48 = 7680 elements) whose halves feed the down
+    projection's SiLU * up becomes ``attngraph.linear`` up to `DOT_MAX_GATED_WEIGHT`, past
+    every plain limit (the gated MLP op may run it on tensor cores); separate gate and up
+    linears of 3840 elements each do not (no fused product to fuse): they stay ``F.linear``."""
+    module = mlp(seed=8)
+    for name in ("KERNEL_MAX_WEIGHT", "KERNEL_MAX_WEIGHT_ONE_ROW", "DOT_MAX_WEIGHT"):
+        monkeypatch.setattr(linear_ops, name, 3839)
+    monkeypatch.setattr(linear_ops, "DOT_MAX_GATED_WEIGHT", gated_limit)
+    x = torch.randn(3, 48)
+    gm, phs, real = traced(module, x)
+    extra = fuse_linears(gm, real).extra_inputs if fuse else []
+    result = skinny_linears(gm)
+    assert len(result.silu_mul) == 1
+    assert (len(result.linears), len(result.kept)) == ((2, 0) if taken else (1, 2 - fuse))
+    assert count(gm, LINEAR) == int(taken) and count(gm, LINEAR_TARGETS) == (0 if taken else 2 - fuse)
+    x = torch.randn(5, 48)
+    out = gm(*[x if r is None else r for r in real], *extra)[0]
+    torch.testing.assert_close(out, module(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_fused_product_read_elsewhere_keeps_the_plain_limit(monkeypatch):
+    """The gate/up output read by a third node besides its two halves is not a gated MLP's
+    product alone: the plain limits apply (it stays ``F.linear``)."""
+
+    class Leaky(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up = torch.nn.Linear(48, 160, bias=False)
+            self.down = torch.nn.Linear(80, 48, bias=False)
+
+        def forward(self, x):
+            y = self.gate_up(x)
+            return self.down(F.silu(y.narrow(-1, 0, 80)) * y.narrow(-1, 80, 80)), y.sum()
+
+    torch.manual_seed(9)
+    module = Leaky().eval()
+    for name in ("KERNEL_MAX_WEIGHT", "KERNEL_MAX_WEIGHT_ONE_ROW", "DOT_MAX_WEIGHT"):
+        monkeypatch.setattr(linear_ops, name, 3839)
+    monkeypatch.setattr(linear_ops, "DOT_MAX_GATED_WEIGHT", 10**6)
+    gm, phs, real = traced(module, torch.randn(3, 48))
+    result = skinny_linears(gm)
+    assert len(result.kept) == 1 and len(result.silu_mul) == 1 and count(gm, LINEAR_TARGETS) == 1
+
+
 class _ProjAndHead(torch.nn.Module):
     """A 64 x 48 projection (3072 elements) and a 768 x 48 output head (``N = 16 K``)."""
 
