@@ -124,7 +124,12 @@ _CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K")
 #: Keys a configuration may add, with their defaults. ``PRELOAD``: under PDL, load the first
 #: weight chunk before waiting for the kernel before (1), or wait first and load every chunk
 #: after (0): a chunk loaded early overlaps that kernel, and also competes with its loads.
-_OPTIONAL_KEYS = {"PRELOAD": 1}
+#: ``NORM_STAGES`` (with the norm folded in): the software-pipelining depth of the pass over x
+#: for the rows' statistics (1: each chunk's load waited for in turn; K = 2048 at BLOCK_K =
+#: 1024 is two chunks).
+_OPTIONAL_KEYS = {"PRELOAD": 1, "NORM_STAGES": 1}
+#: The values each optional key takes.
+_OPTIONAL_RANGES = {"PRELOAD": (0, 1), "NORM_STAGES": (1, 2, 3, 4)}
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -273,7 +278,7 @@ def _skinny_linear_kernel(
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
     SOFT_BF16: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr,
     ROPE: tl.constexpr, ROPE_D: tl.constexpr, NORM_OUT: tl.constexpr, BLOCK_NO: tl.constexpr,
-    STAGES: tl.constexpr, PRELOAD: tl.constexpr, TRACE: tl.constexpr,
+    STAGES: tl.constexpr, PRELOAD: tl.constexpr, NORM_STAGES: tl.constexpr, TRACE: tl.constexpr,
 ):  # fmt: skip
     """``Y[:M] = h @ W^T (+ Bias)`` with ``h = X``; with ``SILU_MUL``, ``h = silu(X) * X2``
     (fp32, rounded to X's dtype); with ``NORM``, ``h = NW * rmsnorm(X)`` (HF's RMSNorm, ``eps``)
@@ -292,7 +297,8 @@ def _skinny_linear_kernel(
     stored; H (``[M, N]``) takes ``h = y + X2`` (X2 the ``[M, N]`` residual) and Y takes
     ``NW * rmsnorm(h)`` (NW ``[N]``, ``eps``), in the launch's last program (`_add_norm_out`).
     ``PRELOAD`` (with ``USE_PDL``): the first weight chunk loads before the wait; without it a
-    program waits first (the loop then starts at ``k_lo``). ``TRACE``: each program's
+    program waits first (the loop then starts at ``k_lo``). ``NORM_STAGES``: the pipelining
+    depth of ``NORM``'s pass over the rows for their statistics (`_rms_rstd`). ``TRACE``: each program's
     `attngraph.kernel_clock` record in Trace (points 0 entry, 1 past the wait, 2 its sums
     reduced, 5 done)."""
     pid_n = tl.program_id(0)
@@ -354,14 +360,16 @@ def _skinny_linear_kernel(
             rope_c, rope_s = _rope_rows(Cos, Sin, rows, mask_m, dims, in_rope, stride_cm, stride_sm)
         if NORM:  # the row statistics need all of x: every program reads it once (from L2)
             h_count = tl.where((pid_n == 0) & (tl.program_id(1) == 0), M, 0)
-            rstd = _rms_rstd(x_rows, x2_rows, h_rows, K, eps, mask_m, h_count, ROWS, BLOCK_K, RESIDUAL, DTYPE, SOFT_BF16)
+            rstd = _rms_rstd(x_rows, x2_rows, h_rows, K, eps, mask_m, h_count, ROWS, BLOCK_K, RESIDUAL, DTYPE, SOFT_BF16,
+                             NORM_STAGES)  # fmt: skip
         mask_x = mask_m[:, None] & mask_k[None, :]
         h = _rows_chunk(x_rows, x2_rows, NW, rstd, offs_k, mask_x, mask_k, SILU_MUL, NORM, RESIDUAL, DTYPE, SOFT_BF16)
         acc += h[:, None, :] * w.to(tl.float32)[None, :, :]
         k_first = k_lo + BLOCK_K
     elif NORM:  # after the wait (USE_PDL without PRELOAD) or without PDL
         h_count = tl.where((pid_n == 0) & (tl.program_id(1) == 0), M, 0)
-        rstd = _rms_rstd(x_rows, x2_rows, h_rows, K, eps, mask_m, h_count, ROWS, BLOCK_K, RESIDUAL, DTYPE, SOFT_BF16)
+        rstd = _rms_rstd(x_rows, x2_rows, h_rows, K, eps, mask_m, h_count, ROWS, BLOCK_K, RESIDUAL, DTYPE, SOFT_BF16,
+                         NORM_STAGES)  # fmt: skip
     # STAGES > 1: Triton's pipeliner streams the next STAGES - 1 chunks of the weight (and of x)
     # into shared memory (cp.async) while this one is multiplied. A plain loop has one chunk in
     # flight per program and waits out the memory latency at every step.
@@ -475,8 +483,8 @@ def _check_config(config: dict) -> dict[str, int]:
     for key in _OPTIONAL_KEYS:
         if key in config:
             cfg[key] = int(config[key])
-            if cfg[key] not in (0, 1):
-                raise InputError(f"config[{key!r}] must be 0 or 1, got {config[key]!r}")
+            if cfg[key] not in _OPTIONAL_RANGES[key]:
+                raise InputError(f"config[{key!r}] must be one of {_OPTIONAL_RANGES[key]}, got {config[key]!r}")
     for key in ("BLOCK_N", "BLOCK_K", "num_warps", "SPLIT_K"):
         if cfg[key] < 1 or cfg[key] & (cfg[key] - 1):
             raise InputError(f"config[{key!r}] must be a power of two >= 1, got {cfg[key]}")
@@ -681,7 +689,8 @@ def _launch(x, x2, weight, bias, out, config, silu_mul: bool, norm_weight=None, 
             USE_PDL=use_pdl, PREFETCH=prefetch, LINE=min(weight_prefetch.line_elements(weight), block_k),
             ROPE=rope is not None, ROPE_D=rope_d,
             NORM_OUT=norm_out is not None, BLOCK_NO=triton.next_power_of_2(n) if norm_out is not None else 1,
-            STAGES=cfg["num_stages"], PRELOAD=bool(cfg.get("PRELOAD", _OPTIONAL_KEYS["PRELOAD"])), TRACE=trace is not None,
+            STAGES=cfg["num_stages"], PRELOAD=bool(cfg.get("PRELOAD", _OPTIONAL_KEYS["PRELOAD"])),
+            NORM_STAGES=cfg.get("NORM_STAGES", _OPTIONAL_KEYS["NORM_STAGES"]) if norm else 1, TRACE=trace is not None,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch_options(use_pdl),
         )  # fmt: skip
     return out

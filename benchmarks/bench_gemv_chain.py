@@ -44,6 +44,7 @@ measured in the same run.
     python benchmarks/bench_gemv_chain.py --shape 1b --rows 1 --out results/gemv_chain.json
     python benchmarks/bench_gemv_chain.py --shape 8b --rows 1 --sweep down --stages 1,2,3
     python benchmarks/bench_gemv_chain.py --attention --sweep o --block-n 4 --block-k 1024,2048 --stages 1 --preload 1,0
+    python benchmarks/bench_gemv_chain.py --attention --sweep qkv,gate_up --block-n 4 --block-k 1024 --stages 1 --norm-stages 1,2
     python benchmarks/bench_gemv_chain.py --attention --sweep gate_up --block-n 4,8,16 --block-k 512,1024,2048 --stages 1,2
     python benchmarks/bench_gemv_chain.py --attention --trace --sweep ""   # where a layer's attention time goes
     python benchmarks/bench_gemv_chain.py --attention --trace --sweep "" --decode "min_split=256" --decode "merge_chunk=4"
@@ -368,21 +369,27 @@ def time_graphs(graphs: dict[str, torch.cuda.CUDAGraph], rounds: int, replays: i
     return times
 
 
-def sweep(base: dict, name: str, rows: int, n: int, k: int, block_n, block_k, stages, preload=()) -> list[tuple[str, dict]]:
-    """Variants of projection ``name``: its `default_config` with BLOCK_N, BLOCK_K, num_stages
-    and PRELOAD from the grids (an empty grid keeps the default's value, PRELOAD's is 1; one
-    16-byte vector per thread at least, fp32 accumulator at most 128 values per thread)."""
+def sweep(base: dict, name: str, rows: int, n: int, k: int, block_n, block_k, stages, preload=(),
+          norm_stages=()) -> list[tuple[str, dict]]:  # fmt: skip
+    """Variants of projection ``name``: its `default_config` with BLOCK_N, BLOCK_K, num_stages,
+    PRELOAD and NORM_STAGES from the grids (an empty grid keeps the default's value, PRELOAD's
+    and NORM_STAGES' is 1; one 16-byte vector per thread at least, fp32 accumulator at most 128
+    values per thread). NORM_STAGES matters only where the norm is folded in (q/k/v; the
+    one-row 1B gate/up)."""
     out = []
     grid = (block_n or [base["BLOCK_N"]], block_k or [base["BLOCK_K"]], stages or [base["num_stages"]],
-            preload or [base.get("PRELOAD", 1)])  # fmt: skip
-    for bn, bk, st, pre in itertools.product(*grid):
+            preload or [base.get("PRELOAD", 1)], norm_stages or [base.get("NORM_STAGES", 1)])  # fmt: skip
+    for bn, bk, st, pre, ns in itertools.product(*grid):
         cfg = dict(base, BLOCK_N=bn, BLOCK_K=bk, num_stages=st)
         if pre != base.get("PRELOAD", 1):
             cfg["PRELOAD"] = pre
+        if ns != base.get("NORM_STAGES", 1):
+            cfg["NORM_STAGES"] = ns
         if bk > k or bn * bk < 8 * 32 * cfg["num_warps"] or rows_padded(rows) * bn * bk > 128 * 32 * cfg["num_warps"]:
             continue
         if cfg != base:
             label = f"{name} BLOCK_N={bn} BLOCK_K={bk} stages={st}" + (f" PRELOAD={pre}" if "PRELOAD" in cfg else "")
+            label += f" NORM_STAGES={ns}" if "NORM_STAGES" in cfg else ""
             out.append((label, {name: cfg}))
     return out
 
@@ -397,6 +404,8 @@ def main() -> None:
     p.add_argument("--block-k", default="512,1024")
     p.add_argument("--stages", default="1,2,3")
     p.add_argument("--preload", default="1", help="PRELOAD values swept (1: the first weight chunk before the PDL wait)")
+    p.add_argument("--norm-stages", default="1",
+                   help="NORM_STAGES values swept (the pipelining depth of the folded norm's statistics pass; 1: none)")
     p.add_argument("--attention", action="store_true",
                    help="each layer also runs RoPE, decode attention and the RMSNorm before the MLP")
     p.add_argument("--context", type=int, default=128, help="cached keys per request with --attention")
@@ -459,7 +468,7 @@ def main() -> None:
         if name == "gate_up":  # the other of cuBLAS and the GEMV at default_config's tile, then the grid
             variants.append(("gate_up cuBLAS", {"gate_up": None}) if on_gemv else ("gate_up GEMV", {"gate_up": gemv_defaults[name]}))
         variants += sweep(gemv_defaults[name], name, args.rows, *shapes[name], ints(args.block_n), ints(args.block_k),
-                          ints(args.stages), ints(args.preload))  # fmt: skip
+                          ints(args.stages), ints(args.preload), ints(args.norm_stages))  # fmt: skip
     bw = copy_bandwidth()
     floor_ms = chain.weight_bytes / bw * 1e3
     graphs, outs, configs = {}, {}, {}

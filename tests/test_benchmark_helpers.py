@@ -72,6 +72,10 @@ def test_gemv_table_and_chain_sweep(tmp_path):
     assert [o["o"] for _, o in variants] == [dict(base, PRELOAD=0), dict(base, BLOCK_K=2048),
                                              dict(base, BLOCK_K=2048, PRELOAD=0)]  # fmt: skip
     assert variants[0][0] == "o BLOCK_N=4 BLOCK_K=1024 stages=2 PRELOAD=0"
+    # NORM_STAGES likewise
+    variants = bench_gemv_chain.sweep(base, "qkv", 1, 3072, 2048, [4], [1024], [], [], [1, 2])
+    assert [(label, o["qkv"]) for label, o in variants] == [("qkv BLOCK_N=4 BLOCK_K=1024 stages=2 NORM_STAGES=2",
+                                                             dict(base, NORM_STAGES=2))]  # fmt: skip
     path.write_text(json.dumps({"plain": {"1,2048,2048": dict(cfg, PRELOAD=0)}}))
     assert bench_generate.gemv_table(str(path), skinny_linear.default_config)(1, 2048, 2048)["PRELOAD"] == 0
     # the tensor-core kernel's entries ("dot": {"N,K": ...}) leave the GEMV's table alone

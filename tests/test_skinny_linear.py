@@ -352,7 +352,8 @@ def test_launcher_refusals(device):
         (lambda: sl.skinny_linear(x, w, out=torch.empty(2, 37, device=device)), "out must be"),
         (lambda: sl.skinny_linear(x, w, config=dict(BLOCK_N=4)), "config needs exactly the keys"),
         (lambda: sl.skinny_linear(x, w, config=config(3, 64)), "power of two"),
-        (lambda: sl.skinny_linear(x, w, config={**config(4, 64), "PRELOAD": 2}), "must be 0 or 1"),
+        (lambda: sl.skinny_linear(x, w, config={**config(4, 64), "PRELOAD": 2}), "must be one of \\(0, 1\\)"),
+        (lambda: sl.skinny_linear(x, w, config={**config(4, 64), "NORM_STAGES": 0}), "must be one of \\(1, 2, 3, 4\\)"),
         (lambda: sl.skinny_linear(x, w, config={**config(4, 64), "PRELOADS": 0}), "unknown \\['PRELOADS'\\]"),
         (lambda: sl.skinny_silu_mul_linear(x, x[:, :50], w), "one shape"),
         (lambda: sl.skinny_silu_mul_linear(x, x, w[:, :50]), "weight must be"),
@@ -718,6 +719,24 @@ def test_gpu_weight_loaded_after_the_wait_gives_the_same_bits(rows):
         assert torch.equal(sl.skinny_linear(x, w, b, config={**tile, "PRELOAD": 0}), first)
         normed = sl.skinny_rms_norm_linear(x, nw, 1e-5, w, b, config=tile)
         assert torch.equal(sl.skinny_rms_norm_linear(x, nw, 1e-5, w, b, config={**tile, "PRELOAD": 0}), normed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2])
+def test_gpu_pipelined_norm_statistics_give_the_same_bits(rows):
+    """``NORM_STAGES`` > 1 changes when the statistics pass loads x and the residual, not what
+    it sums: the product, and the residual stream it stores, bit-equal to ``NORM_STAGES = 1``
+    at the 1B q/k/v's tile (two chunks of 1024) and at 512 (four), both pipelined and not."""
+    x, w, b = make(23, rows, 3072, 2048, torch.bfloat16, "cuda", bias=True)
+    res = torch.randn(rows, 2048, dtype=torch.bfloat16, device="cuda")
+    nw = torch.rand(2048, dtype=torch.bfloat16, device="cuda") + 0.5
+    for tile in (config(4, 1024), config(4, 512, 4, 2)):
+        h1, h2 = (torch.full_like(x, float("nan")) for _ in range(2))
+        first = sl.skinny_rms_norm_linear(x, nw, 1e-5, w, b, residual=res, h_out=h1, config=tile)
+        assert torch.equal(h1, x + res)
+        for stages in (2, 3):
+            again = sl.skinny_rms_norm_linear(x, nw, 1e-5, w, b, residual=res, h_out=h2, config={**tile, "NORM_STAGES": stages})
+            assert torch.equal(again, first) and torch.equal(h2, h1)
 
 
 @pytest.mark.gpu

@@ -24,7 +24,7 @@ from .sm90_compile import compile_in_child, ptxas_missing
 
 GEMV = dict(ROWS=1, BLOCK_N=4, BLOCK_K=1024, SPLIT_K=1, HAS_BIAS=False, SILU_MUL=False, NORM=False, RESIDUAL=False,
             SOFT_BF16=False, USE_PDL=True, LINE=64, ROPE=False, ROPE_D=2, NORM_OUT=False, BLOCK_NO=1, STAGES=2,
-            PRELOAD=True, TRACE=False)  # fmt: skip
+            PRELOAD=True, NORM_STAGES=1, TRACE=False)  # fmt: skip
 GEMV_TYPES = {**{p: "*bf16" for p in ("X", "X2", "W", "Bias", "Y", "NW", "H", "Cos", "Sin")}, "Part": "*fp32",
               "Counters": "*i32", "eps": "fp32"}  # fmt: skip
 DOT = dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, EVEN_K=True, HAS_BIAS=False, SILU_MUL=False, NORM=False,
@@ -162,6 +162,25 @@ def test_gemv_loop_streams_the_next_chunks():
         assert piped["ptx"].count("cp.async.cg.shared.global") >= 4, case  # 16-byte copies of two chunks ahead
         assert "cp.async.wait_group" in piped["ptx"]
         assert plain["local_bytes"] == 0 and piped["local_bytes"] == 0
+
+
+@pytest.mark.parametrize("preload", [True, False])
+def test_gemv_norm_statistics_pass_streams_with_norm_stages(preload):
+    """``NORM_STAGES = 2``: the pass over x (and the residual) for the rows' statistics, two
+    chunks of 1024 at the 1B q/k/v's tile, issues the next chunk's loads as ``cp.async`` copies
+    before it sums the current one; with 1 it waits on plain loads chunk by chunk. The main
+    loop stays unpipelined (``STAGES = 1``, the tuned tiles'), and nothing spills."""
+    if (why := ptxas_missing()) is not None:
+        pytest.skip(why)
+    base = {**GEMV, "NORM": True, "RESIDUAL": True, "STAGES": 1, "PREFETCH": False, "PRELOAD": preload}
+    specs = [dict(kernel=CASES["gemv"][0], types=GEMV_TYPES, constexprs={**base, "NORM_STAGES": ns},
+                  options=dict(num_warps=4, num_stages=1), divisible=DIVISIBLE)
+             for ns in (1, 2)]  # fmt: skip
+    plain, piped = compile_in_child(specs)
+    assert "cp.async" not in plain["ptx"]
+    stats = [body for body in _loops(piped["ptx"]) if "cp.async.cg.shared.global" in body]
+    assert len(stats) == 1 and "cp.async.wait_group" in stats[0]
+    assert plain["local_bytes"] == 0 and piped["local_bytes"] == 0
 
 
 def test_gemv_without_preload_loads_the_weight_after_the_wait():
