@@ -73,11 +73,15 @@ DOT_MIN_ROWS = 3
 DOT_MAX_ROWS = 16
 DOT_MAX_WEIGHT = 1 << 26
 #: The gated MLP's fused gate/up (`add_rms_norm_gated_mlp`) runs on tensor cores up to this many
-#: weight elements, past `DOT_MAX_WEIGHT`: with SiLU * up in its epilogue the 8B gate/up
-#: (28672 x 4096) took 83.5 us at 16 rows (82.6 at 4) where the ops it replaces, cuBLAS's product
-#: and the SiLU-mul kernel, take 88.7 (88.2) for the product alone (H100, `skinny_dot.GATED_CONFIG`;
-#: ``benchmarks/bench_skinny_gemm.py --dot --projections gate_up --rows 16,4``).
-DOT_MAX_GATED_WEIGHT = 1 << 27
+#: weight elements (`passes.skinny_linears` and `fuse_gated_mlp` read it too). Alone, with SiLU *
+#: up in its epilogue, the 8B gate/up (28672 x 4096, 2**26.8 elements) took 83.5 us at 16 rows
+#: (82.6 at 4) where cuBLAS's product alone took 88.7 (88.2) (H100, `skinny_dot.GATED_CONFIG`;
+#: ``benchmarks/bench_skinny_gemm.py --dot --projections gate_up --rows 16,4``); 2**27 lets it
+#: in. It stays at `DOT_MAX_WEIGHT` until the 8B decode step is timed with it
+#: (``benchmarks/bench_generate.py --shapes 8b --variant default --variant
+#: gated-weight-limit=134217728``): taking the 8B gate/up also changes its one- and two-row
+#: steps, where the op's norm launch and cuBLAS replace inductor's norm and cuBLAS.
+DOT_MAX_GATED_WEIGHT = DOT_MAX_WEIGHT
 #: Output heads of any size at 3-16 rows run on tensor cores too (above `DOT_MAX_WEIGHT`): with
 #: its default tile the kernel read the LM heads at their weight's floor where cuBLAS did not
 #: (H100, bf16, CUDA graphs of calls on distinct weight copies; 128256 x 2048 at 16 / 4 rows:

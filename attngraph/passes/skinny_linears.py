@@ -23,9 +23,9 @@ Linears that no row count runs on a Triton kernel stay as they are (`SkinnyResul
 `linear_ops.DOT_MAX_WEIGHT` (the tensor-core kernel's limit, heads aside); a down
 projection that folds SiLU * up has the larger `linear_ops.KERNEL_MAX_SILU_MUL_WEIGHT`, since
 the fold also saves the product's launch, and a fused gate/up product whose halves feed that
-SiLU * up `linear_ops.DOT_MAX_GATED_WEIGHT`, the gated MLP op's (`passes.fuse_gated_mlp`: with
-SiLU * up in its epilogue the tensor-core kernel beat cuBLAS on Llama-3.1-8B's gate/up, which
-stays cuBLAS's elsewhere inside the op). Left alone,
+SiLU * up the gated MLP op's `linear_ops.DOT_MAX_GATED_WEIGHT` (`passes.fuse_gated_mlp`, whose
+tensor-core launch forms SiLU * up in its epilogue; at other row counts the op runs cuBLAS for
+a weight past the plain limits). Left alone,
 with the reason in `SkinnyResult.refused`: a linear with keyword arguments or a weight that is
 not a matrix of known shape; a SiLU or product read by anything else is not folded into
 the down projection (that linear still becomes ``attngraph.linear``).
