@@ -196,11 +196,13 @@ def _operands_fit(k: int, lead: torch.Tensor, weight: torch.Tensor) -> bool:
     return _kernel_serves(lead.device)
 
 
-def _use_dot(rows: int, k: int, lead: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``rows`` rows of ``lead`` (x, or a) times ``weight`` run on tensor cores."""
+def _use_dot(rows: int, k: int, lead: torch.Tensor, weight: torch.Tensor, max_weight: int | None = None) -> bool:
+    """Whether ``rows`` rows of ``lead`` (x, or a) times ``weight`` run on tensor cores (a
+    weight of at most ``max_weight`` elements; None: `DOT_MAX_WEIGHT`; heads: `DOT_HEADS`)."""
     n = weight.shape[0]
     head = n >= KERNEL_MIN_HEAD_RATIO * k
-    if not DOT_MIN_ROWS <= rows <= DOT_MAX_ROWS or (not DOT_HEADS if head else n * k > DOT_MAX_WEIGHT):
+    limit = DOT_MAX_WEIGHT if max_weight is None else max_weight
+    if not DOT_MIN_ROWS <= rows <= DOT_MAX_ROWS or (not DOT_HEADS if head else n * k > limit):
         return False
     return _operands_fit(k, lead, weight) and _dot_kernels() is not None
 
@@ -535,9 +537,9 @@ def _gated_dot_serves(rows: int, k: int, x: torch.Tensor, w_gate_up: torch.Tenso
     (its own folds serve one and two rows), and `DOT_FOLD_NORM` does not ask for the norm in
     the product's loads (which the gated launch does not fold: the ops it replaces run then)."""
     inter = w_gate_up.shape[0] // 2
-    fits = DOT_MIN_ROWS <= rows <= DOT_MAX_ROWS and w_gate_up.numel() <= DOT_MAX_GATED_WEIGHT
-    fits = fits and w_gate_up.shape[0] < KERNEL_MIN_HEAD_RATIO * k and _operands_fit(k, x, w_gate_up)
-    return (not DOT_FOLD_NORM and fits and _dot_kernels() is not None and not _use_kernel(rows, k, x, w_gate_up)
+    head = w_gate_up.shape[0] >= KERNEL_MIN_HEAD_RATIO * k  # no gated MLP's: the op runs the ops it replaces
+    return (not DOT_FOLD_NORM and not head and _use_dot(rows, k, x, w_gate_up, DOT_MAX_GATED_WEIGHT)
+            and not _use_kernel(rows, k, x, w_gate_up)
             and not _use_kernel(rows, inter, x, w_down, KERNEL_MAX_SILU_MUL_WEIGHT))  # fmt: skip
 
 

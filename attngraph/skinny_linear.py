@@ -714,7 +714,8 @@ def skinny_linear(
     accumulated in fp32.
 
     ``out``: an ``[M, N]`` tensor to write (unit stride along N); None: a new one.
-    ``config``: a `default_config`-style dict overriding the heuristic (benchmark sweeps).
+    ``config``: a `default_config`-style dict overriding the heuristic (benchmark sweeps;
+    optional keys ``PRELOAD`` and ``NORM_STAGES``, `_OPTIONAL_KEYS`).
     ``rope_cos``, ``rope_sin``: ``[>= M, D]``; with them the first ``rope_cols`` output
     columns (heads of ``D``: a fused projection's q and k) leave rotated by HF's rotate-half
     RoPE, row ``r`` by ``cos[r]``, ``sin[r]``: ``y * cos + rotate_half(y) * sin`` on the

@@ -55,26 +55,12 @@ class FuseGatedMlpResult:
     refused: list[tuple[str, str]] = field(default_factory=list)
 
 
-def _last_dim_narrow(node) -> tuple[fx.Node, int, int] | None:
-    """``(source, start, length)`` for ``node = source.narrow(-1, start, length)``, else None."""
-    if not (isinstance(node, fx.Node) and node.op == "call_method" and node.target == "narrow" and not node.kwargs):
-        return None
-    if len(node.args) != 4 or not isinstance(node.args[0], fx.Node):
-        return None
-    src, dim, start, length = node.args
-    val = fu.example_value(src)
-    last = val.dim() - 1 if isinstance(val, torch.Tensor) else None
-    if not (isinstance(start, int) and isinstance(length, int) and isinstance(dim, int)) or dim not in (-1, last):
-        return None
-    return src, start, length
-
-
 def _match(down: fx.Node, order: dict) -> tuple[fx.Node, list[fx.Node]] | str:
     """``(gate/up op, the nodes between it and ``down``)`` for a fusable down projection, else
     the reason it stays. ``order``: the graph's nodes by position (the fused op takes the
     gate/up op's place, so the down weight must come before it)."""
     a, b = down.args[0], down.args[1]
-    halves = _last_dim_narrow(a), _last_dim_narrow(b)
+    halves = fu.last_dim_narrow(a), fu.last_dim_narrow(b)
     if halves[0] is None or halves[1] is None or halves[0][0] is not halves[1][0]:
         return "its gate and up operands are not two halves of one product"
     y, (_, a_start, a_len), (_, b_start, b_len) = halves[0][0], halves[0], halves[1]

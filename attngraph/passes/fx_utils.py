@@ -93,6 +93,21 @@ def example_value(node: Any) -> Any:
     return None
 
 
+def last_dim_narrow(node: Any) -> tuple[fx.Node, int, int] | None:
+    """``(source, start, length)`` for ``node = source.narrow(dim, start, length)`` along the
+    source's last dimension (``-1`` or its index; integer arguments), else None."""
+    if not (isinstance(node, fx.Node) and node.op == "call_method" and node.target == "narrow" and not node.kwargs):
+        return None
+    if len(node.args) != 4 or not isinstance(node.args[0], fx.Node):
+        return None
+    src, dim, start, length = node.args
+    val = example_value(src)
+    last = val.dim() - 1 if isinstance(val, torch.Tensor) else None
+    if not (isinstance(start, int) and isinstance(length, int) and isinstance(dim, int)) or dim not in (-1, last):
+        return None
+    return src, start, length
+
+
 def matrix_shape(node: Any) -> tuple[int, int] | None:
     """``(rows, columns)`` of a node whose example is a matrix of static sizes (a weight),
     else None."""

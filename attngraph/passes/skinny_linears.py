@@ -94,13 +94,9 @@ def _silu_mul_operands(x: fx.Node) -> tuple[fx.Node, fx.Node] | None:
 
 def _last_dim_half_of(node) -> fx.Node | None:
     """``y`` for ``node = y.narrow(-1, start, length)`` (through a ``.contiguous()`` read only
-    there), else None."""
-    node = _behind_contiguous(node) if isinstance(node, fx.Node) else node
-    if not (isinstance(node, fx.Node) and node.op == "call_method" and node.target == "narrow" and not node.kwargs):
-        return None
-    if len(node.args) != 4 or not isinstance(node.args[0], fx.Node) or node.args[1] != -1:
-        return None
-    return node.args[0]
+    there, `fx_utils.last_dim_narrow`), else None."""
+    found = fu.last_dim_narrow(_behind_contiguous(node)) if isinstance(node, fx.Node) else None
+    return found[0] if found is not None else None
 
 
 def _gated_products(graph: fx.Graph) -> set[fx.Node]:
