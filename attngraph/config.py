@@ -122,6 +122,11 @@ class CompileConfig:
         Set False to run the passes for reporting only (nothing rewritten).
     deterministic:
         Fixed split counts and reduction order, so repeated runs give bit-identical results.
+    rank_one_products:
+        Paged runtime: a matrix product over one contracted element (HF's rotary angles in
+        transformers 5.17, ``[B, D/2, 1] @ [B, 1, T]``) becomes the equal broadcast multiply
+        (`passes.rank_one_products`), which inductor fuses into the cos/sin kernel instead of
+        launching an fp32 GEMM at the head of each step.
     fuse_linears:
         Paged runtime: linears reading the same input (q/k/v, gate/up) run as one GEMM on
         their concatenated weights (`passes.fuse_linears`; the parameters become views of it).
@@ -262,6 +267,7 @@ class CompileConfig:
     exact_token_counts: tuple[int, ...] | None = None
     lower_attention: bool = True
     deterministic: bool = False
+    rank_one_products: bool = True
     fuse_linears: bool = True
     skinny_linears: bool | None = None
     fold_rms_norm: bool = True
@@ -318,7 +324,7 @@ class CompileConfig:
             raise ConfigError(f"skinny_linears must be None (on for CUDA), True or False, got {self.skinny_linears!r}")
         if self.fuse_gated_mlp is not None and not isinstance(self.fuse_gated_mlp, bool):
             raise ConfigError(f"fuse_gated_mlp must be None (on with fold_rms_norm), True or False, got {self.fuse_gated_mlp!r}")
-        for fname in ("lower_attention", "deterministic", "fuse_linears", "fold_rms_norm", "fold_rope_linear",
+        for fname in ("lower_attention", "deterministic", "rank_one_products", "fuse_linears", "fold_rms_norm", "fold_rope_linear",
                       "fold_norm_epilogue", "fuse_attention_o", "absorb_mla", "l2_prefetch_o"):  # fmt: skip
             if not isinstance(getattr(self, fname), bool):  # "no" would read as True
                 raise ConfigError(f"{fname} must be True or False, got {getattr(self, fname)!r}")

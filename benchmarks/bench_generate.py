@@ -200,7 +200,8 @@ PDL_LABELS = {"on": "", "ours": " pdl=attngraph kernels only", "off": " pdl=off"
 #: The switches a row combines, in the order of its variant tuple (``--variant`` names them so).
 VARIANT_SWITCHES = ("backends", "skinny", "fold_rms_norm", "pdl", "one_row_limit", "dot", "prefetch", "dot_fold_norm",
                     "dot_min_rows", "fold_rope", "l2_prefetch_mlp", "norm_epilogue", "gemv_table", "decode_block_n",
-                    "decode_min_split", "fuse_o", "decode_merge_chunk", "gated_mlp", "l2_prefetch_o", "dot_heads", "gated_weight_limit")  # fmt: skip
+                    "decode_min_split", "fuse_o", "decode_merge_chunk", "gated_mlp", "l2_prefetch_o", "dot_heads", "gated_weight_limit",
+                    "rank_one")  # fmt: skip
 
 #: ``--loops``: generate keywords per decoding loop.
 LOOPS = {"chunks": {}, "steps": {"logits_processor": transformers.LogitsProcessorList([_KeepScores()])}}
@@ -380,6 +381,9 @@ def main() -> None:
                    help="linear_ops.DOT_MAX_GATED_WEIGHT: the largest fused gate/up weight (elements) the gated MLP op "
                         "runs on tensor cores (and skinny_linears wraps for it): default (the module's) and/or values, "
                         "comma-separated")  # fmt: skip
+    p.add_argument("--rank-one", default="on",
+                   help="CompileConfig.rank_one_products (matrix products over one contracted element, as HF's "
+                        "rotary angles in transformers 5.17, as multiplies): on (the default) and/or off, comma-separated")  # fmt: skip
     p.add_argument("--fuse-o", default="default",
                    help="CompileConfig.fuse_attention_o (attention and the output projection as one op; one launch "
                         "for a decode step of one request on Triton): default (the config's), off and/or on, on-sN "
@@ -426,6 +430,8 @@ def main() -> None:
         p.error(f"--gated-mlp takes default, on and/or off; got {', '.join(bad)}")
     if bad := [v for v in args.gated_weight_limit.split(",") if v != "default" and not (v.isdigit() and int(v) > 0)]:
         p.error(f"--gated-weight-limit takes 'default' or positive element counts; got {', '.join(bad)}")
+    if bad := [v for v in args.rank_one.split(",") if v not in ("on", "off")]:
+        p.error(f"--rank-one takes on and/or off; got {', '.join(bad)}")
     if bad := [v for v in args.dot_heads.split(",") if v not in ("default", "on", "off")]:
         p.error(f"--dot-heads takes default, on and/or off; got {', '.join(bad)}")
     if bad := [v for v in args.l2_prefetch_o.split(",") if v not in ("on", "off")]:
@@ -500,14 +506,14 @@ def main() -> None:
                     for dms in args.decode_min_split.split(",") for fo in args.fuse_o.split(",")
                     for mc in args.decode_merge_chunk.split(",") for gm in args.gated_mlp.split(",")
                     for l2o in args.l2_prefetch_o.split(",") for dh in args.dot_heads.split(",")
-                    for gw in args.gated_weight_limit.split(",")]  # fmt: skip
+                    for gw in args.gated_weight_limit.split(",") for r1 in args.rank_one.split(",")]  # fmt: skip
         if variant_specs:  # --variant: the named rows only, in their order
             variants = variant_specs
 
         def apply(variant: tuple) -> tuple[str, dict]:
             """Set the module settings of ``variant`` (read at compile and capture); its label and
             `attngraph.accelerate`'s keywords."""
-            name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn, dms, fo, mc, gm, l2o, dh, gw = variant
+            name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn, dms, fo, mc, gm, l2o, dh, gw, r1 = variant
             label = f"attngraph[{name}]" + ("" if skinny == "on" else " skinny_linears=False") + PDL_LABELS[pdl]
             label += "" if fold == "on" else " fold_rms_norm=False"
             label += "" if limit == "default" else f" one-row GEMV <= {limit}"
@@ -527,6 +533,7 @@ def main() -> None:
             label += "" if l2o == "off" else " l2-prefetch-o=on"
             label += "" if dh == "default" else f" dot-heads={dh}"
             label += "" if gw == "default" else f" gated-weight-limit={gw}"
+            label += "" if r1 == "on" else " rank-one=off"
             # the constructor's default, read when accelerate makes the backend
             triton_backend.TritonBackend.__init__.__kwdefaults__["min_split_len"] = (
                 min_split_default if dms == "default" else int(dms))  # fmt: skip
@@ -535,6 +542,7 @@ def main() -> None:
             skinny_linear.default_config = gemv_tables[gt]  # read at capture
             skinny_dot.default_config = dot_tables[gt]
             options = {} if rope == "default" else {"fold_rope": rope != "off", "fold_rope_linear": rope == "linear"}
+            options["rank_one_products"] = r1 == "on"
             if ne != "default":
                 options["fold_norm_epilogue"] = ne == "on"
             if fo != "default":

@@ -31,6 +31,7 @@ def test_defaults_are_valid_and_frozen():
         (dict(trace_tokens=1), "trace_tokens"),
         (dict(trace_tokens=64.0), "trace_tokens"),
         (dict(fuse_linears="no"), "fuse_linears must be True or False"),
+        (dict(rank_one_products=1), "rank_one_products must be True or False"),
         (dict(skinny_linears="yes"), "skinny_linears must be None"),
         (dict(deterministic=1), "deterministic"),
         (dict(lower_attention=None), "lower_attention"),

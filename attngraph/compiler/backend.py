@@ -25,6 +25,7 @@ from ..passes.fold_rope import fold_rope
 from ..passes.fold_rope_linear import fold_rope_linear
 from ..passes.fuse_attention_o import fuse_attention_o
 from ..passes.fuse_gated_mlp import fuse_gated_mlp
+from ..passes.rank_one_products import rank_one_products
 from ..passes.skinny_linears import skinny_linears
 from ..passes.token_mixing import TokenMixingOp, check_token_mixing
 from ..forward_context import ForwardContext, use_forward_context
@@ -77,6 +78,7 @@ class AttnGraphBackend:
         self.token_inputs = tuple(token_inputs)
         self.row_index_inputs = tuple(row_index_inputs)
         self.compile_hook = compile_hook
+        self.rank_one_results: list = []  # a passes.rank_one_products.RankOneResult per paged graph rewritten
         self.fused_linears: list = []  # a passes.fuse_linears.FuseResult per paged graph
         self.skinny_results: list = []  # a passes.skinny_linears.SkinnyResult per paged graph rewritten
         self.norm_results: list = []  # a passes.fold_rms_norm.FoldNormResult per paged graph rewritten
@@ -97,6 +99,7 @@ class AttnGraphBackend:
         device_type = _device_type(sites, example_inputs)
         if self.mode == "paged":
             gm, extra = self._fuse_linears(gm, example_inputs)
+            gm = self._rank_one_products(gm)
             gm = self._skinny_linears(gm, device_type)
             gm = self._fold_rope(gm)
             gm = self._fuse_attention_o(gm)
@@ -141,6 +144,17 @@ class AttnGraphBackend:
         self.fused_linears.append(result)
         self._record("fuse_linears", result, result.groups)
         return (copy, result.extra_inputs) if result.groups else (gm, [])
+
+    def _rank_one_products(self, gm: fx.GraphModule) -> fx.GraphModule:
+        """Paged mode with `CompileConfig.rank_one_products`: matrix products over one
+        contracted element become multiplies (`passes.rank_one_products`), on a copy of the
+        graph unless `_fuse_linears` made one already."""
+        if not self.config.rank_one_products:
+            return gm
+        gm = self._own_copy(gm)
+        result = rank_one_products(gm)
+        self.rank_one_results.append(self._record("rank_one_products", result, result.rewritten))
+        return gm
 
     def _skinny_linears(self, gm: fx.GraphModule, device_type: str) -> fx.GraphModule:
         """Paged mode (on CUDA by default): linears call attngraph's linear ops (`passes.skinny_linears`),
