@@ -77,11 +77,11 @@ DOT_MAX_WEIGHT = 1 << 26
 #: up in its epilogue, the 8B gate/up (28672 x 4096, 2**26.8 elements) took 83.5 us at 16 rows
 #: (82.6 at 4) where cuBLAS's product alone took 88.7 (88.2) (H100, `skinny_dot.GATED_CONFIG`;
 #: ``benchmarks/bench_skinny_gemm.py --dot --projections gate_up --rows 16,4``); 2**27 lets it
-#: in. It stays at `DOT_MAX_WEIGHT` until the 8B decode step is timed with it
-#: (``benchmarks/bench_generate.py --shapes 8b --variant default --variant
-#: gated-weight-limit=134217728``): taking the 8B gate/up also changes its one- and two-row
-#: steps, where the op's norm launch and cuBLAS replace inductor's norm and cuBLAS.
-DOT_MAX_GATED_WEIGHT = DOT_MAX_WEIGHT
+#: in. In the 8B decode step (``benchmarks/bench_generate.py --shapes 8b --batches 1,4,16
+#: --variant default --variant gated-weight-limit=134217728``, H100) 2**27 against 2**26:
+#: 6.081 / 6.214 ms at 16 requests, 5.770 / 5.907 at 4, 5.661 / 5.713 at 1 (where the op's
+#: norm launch and cuBLAS replace inductor's norm and cuBLAS; GPU busy time tied).
+DOT_MAX_GATED_WEIGHT = 1 << 27
 #: Output heads of any size at 3-16 rows run on tensor cores too (above `DOT_MAX_WEIGHT`): with
 #: its default tile the kernel read the LM heads at their weight's floor where cuBLAS did not
 #: (H100, bf16, CUDA graphs of calls on distinct weight copies; 128256 x 2048 at 16 / 4 rows:
