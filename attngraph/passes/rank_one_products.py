@@ -77,9 +77,9 @@ def _operands(node: fx.Node) -> tuple | None:
     return (a, b) if isinstance(a, fx.Node) and isinstance(b, fx.Node) else None
 
 
-def _why_not(node: fx.Node, a: torch.Tensor, b: torch.Tensor, out, ieee: bool) -> str | None:
-    """Why the product ``node`` of ``a`` and ``b`` (one contracted element) must stay a
-    product, or None when ``a * b`` equals it."""
+def _why_not(a: torch.Tensor, b: torch.Tensor, out, ieee: bool) -> str | None:
+    """Why the product of ``a`` and ``b`` (one contracted element; ``out`` its example value)
+    must stay a product, or None when ``a * b`` equals it."""
     if not isinstance(out, torch.Tensor):
         return "no example value for the result"
     if not (a.dtype == b.dtype == out.dtype):
@@ -88,10 +88,7 @@ def _why_not(node: fx.Node, a: torch.Tensor, b: torch.Tensor, out, ieee: bool) -
         return f"dtype {a.dtype} is not a floating type"
     if a.dtype == torch.float32 and not ieee:
         return "float32 products may round to TF32 here (torch's matmul precision): HF's result would differ"
-    if node.target is torch.bmm or (node.op == "call_method" and node.target == "bmm"):
-        if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0]:
-            return "bmm operands are not two 3-D tensors of one batch size"
-    return None
+    return None  # (a bmm traced only with 3-D operands of one batch size: ``*`` gives its result)
 
 
 def _contracts_one(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -115,7 +112,7 @@ def rank_one_products(gm: fx.GraphModule) -> RankOneResult:
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or not _contracts_one(a, b):
             continue
         out = node.meta.get("example_value")
-        reason = _why_not(node, a, b, out, ieee)
+        reason = _why_not(a, b, out, ieee)
         if reason is not None:
             result.refused.append((node.name, reason))
             logger.debug("rank_one_products: %s stays a product: %s", node.name, reason)

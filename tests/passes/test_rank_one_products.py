@@ -39,8 +39,9 @@ class RotaryAngles(torch.nn.Module):
         return emb.cos() * 2.0, emb.sin()
 
 
-def traced(module: torch.nn.Module, *inputs: torch.Tensor):
-    """Dynamo's graph of ``module(*inputs)`` and the tensors its placeholders stand for."""
+def traced(module: torch.nn.Module, *inputs: torch.Tensor, dynamic: bool = False):
+    """Dynamo's graph of ``module(*inputs)`` and the tensors its placeholders stand for
+    (``dynamic``: sizes as symbols, the placeholders then include them)."""
     captured = []
 
     def capture(gm, example_inputs):
@@ -48,8 +49,22 @@ def traced(module: torch.nn.Module, *inputs: torch.Tensor):
         return gm
 
     torch._dynamo.reset()
-    torch.compile(module, backend=capture, fullgraph=True)(*inputs)
+    torch.compile(module, backend=capture, fullgraph=True, dynamic=dynamic)(*inputs)
     return captured[0]
+
+
+def test_symbolic_batch_and_token_counts_keep_the_rewrite_exact():
+    """Sizes as symbols (as the paged runtime traces its token counts): the contracted size is
+    still the literal 1, the rewritten graph runs at other sizes with equal bits."""
+    module = RotaryAngles()
+    gm, example = traced(module, torch.randn(3, 7, 16), _positions(torch.float32), dynamic=True)
+    assert len(rank_one_products(gm).rewritten) == 1 and products(gm) == 0
+    x, pos = torch.randn(2, 11, 16), _positions(torch.float32, batch=2, t=11)
+    new_size = {3: 2, 7: 11}  # each symbol's traced value -> its value now
+    args = [new_size[e.node.hint] if isinstance(e, torch.SymInt) else pos if e.dtype == torch.long else e
+            for e in example]  # fmt: skip
+    for g, w in zip(gm(*args), module(x, pos)):
+        assert torch.equal(g, w)
 
 
 def products(gm) -> int:
