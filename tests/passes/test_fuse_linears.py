@@ -14,8 +14,9 @@ from attngraph.runtime.model_runner import ModelRunner
 from ..hf_models import tiny_config
 
 
-def dynamo_graph(fn, *args):
-    """``(gm, real example inputs)`` of ``fn`` traced by Dynamo."""
+def dynamo_graph(fn, *args, dynamic: bool = False):
+    """``(gm, real example inputs)`` of ``fn`` traced by Dynamo (``dynamic``: sizes as symbols,
+    which then are placeholders too)."""
     captured = []
 
     def backend(gm, example_inputs):
@@ -23,7 +24,7 @@ def dynamo_graph(fn, *args):
         return gm.forward
 
     torch._dynamo.reset()
-    torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)(*args)
     return captured[-1]
 
 

@@ -3,15 +3,17 @@ before and after, the ones it must leave alone (with their reasons), the rewritt
 values against the module it was traced from (equal bits), and the paged runtime's graphs."""
 
 import inspect
+import operator
 
 import pytest
 import torch
 
 from attngraph.passes.rank_one_products import fp32_products_are_ieee, rank_one_products
 
+from .test_fuse_linears import dynamo_graph as traced
 from .test_skinny_linears import count
 
-PRODUCTS = (torch.matmul, torch.bmm, __import__("operator").matmul)
+PRODUCTS = (torch.matmul, torch.bmm, operator.matmul)
 MULS = (torch.mul,)
 
 
@@ -37,20 +39,6 @@ class RotaryAngles(torch.nn.Module):
             freqs = (inv[:, None] @ pos[None, :]).sum(0)
         emb = torch.cat((freqs.transpose(1, 2), freqs.transpose(1, 2)), dim=-1)
         return emb.cos() * 2.0, emb.sin()
-
-
-def traced(module: torch.nn.Module, *inputs: torch.Tensor, dynamic: bool = False):
-    """Dynamo's graph of ``module(*inputs)`` and the tensors its placeholders stand for
-    (``dynamic``: sizes as symbols, the placeholders then include them)."""
-    captured = []
-
-    def capture(gm, example_inputs):
-        captured.append((gm, list(example_inputs)))
-        return gm
-
-    torch._dynamo.reset()
-    torch.compile(module, backend=capture, fullgraph=True, dynamic=dynamic)(*inputs)
-    return captured[0]
 
 
 def test_symbolic_batch_and_token_counts_keep_the_rewrite_exact():
