@@ -19,16 +19,9 @@ from ..errors import ConfigError
 from ..passes import fx_utils as fu
 from ..passes.site import AttentionSite
 from ..passes.fuse_linears import fuse_linears
-from ..passes.fold_norm_epilogue import fold_norm_epilogue
-from ..passes.fold_rms_norm import fold_rms_norm
-from ..passes.fold_rope import fold_rope
-from ..passes.fold_rope_linear import fold_rope_linear
-from ..passes.fuse_attention_o import fuse_attention_o
-from ..passes.fuse_gated_mlp import fuse_gated_mlp
-from ..passes.rank_one_products import rank_one_products
-from ..passes.skinny_linears import skinny_linears
 from ..passes.token_mixing import TokenMixingOp, check_token_mixing
 from ..forward_context import ForwardContext, use_forward_context
+from .paged_passes import PagedPassManager
 from .pipeline import PassPipeline
 from .proof_cache import cached_token_mixing
 from .report import AttentionReport, user_input_names
@@ -78,15 +71,10 @@ class AttnGraphBackend:
         self.token_inputs = tuple(token_inputs)
         self.row_index_inputs = tuple(row_index_inputs)
         self.compile_hook = compile_hook
-        self.rank_one_results: list = []  # a passes.rank_one_products.RankOneResult per paged graph rewritten
         self.fused_linears: list = []  # a passes.fuse_linears.FuseResult per paged graph
-        self.skinny_results: list = []  # a passes.skinny_linears.SkinnyResult per paged graph rewritten
-        self.norm_results: list = []  # a passes.fold_rms_norm.FoldNormResult per paged graph rewritten
-        self.norm_epilogue_results: list = []  # a passes.fold_norm_epilogue.FoldNormEpilogueResult per graph rewritten
-        self.gated_mlp_results: list = []  # a passes.fuse_gated_mlp.FuseGatedMlpResult per graph rewritten
-        self.rope_results: list = []  # a passes.fold_rope.FoldRopeResult per paged graph rewritten
-        self.rope_linear_results: list = []  # a passes.fold_rope_linear.FoldRopeLinearResult per graph rewritten
-        self.attention_o_results: list = []  # a passes.fuse_attention_o.FuseAttentionOResult per graph rewritten
+        #: The rewrite passes after it (`compiler.paged_passes`); ``rewrites[name]``: their results.
+        self.paged_passes = PagedPassManager(self.config, self.report, self.token_inputs, self.row_index_inputs)
+        self.rewrites = self.paged_passes.results
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         input_names = user_input_names(gm)  # read before the passes rewrite the graph
@@ -99,10 +87,7 @@ class AttnGraphBackend:
         device_type = _device_type(sites, example_inputs)
         if self.mode == "paged":
             gm, extra = self._fuse_linears(gm, example_inputs)
-            gm = self._rank_one_products(gm)
-            gm = self._skinny_linears(gm, device_type)
-            gm = self._fold_rope(gm)
-            gm = self._fuse_attention_o(gm)
+            gm = self.paged_passes.run(gm, device_type, self._own_copy)
             fu.fill_example_values(gm)  # the passes' nodes: else AOTAutograd's cache refuses the graph
             fakes = self.fused_linears[-1].extra_fakes if extra else []
             inputs = list(example_inputs) + (fakes if len(fakes) == len(extra) else extra)
@@ -137,85 +122,16 @@ class AttnGraphBackend:
         weights, to be passed after Dynamo's inputs on every call."""
         if not (self.config.fuse_linears and self.config.lower_attention):
             return gm, []
-        graph = fx.Graph()
-        graph.output(graph.graph_copy(gm.graph, {}))
-        copy = fx.GraphModule(gm, graph)
+        copy = _graph_copy(gm)
         result = fuse_linears(copy, example_inputs)
         self.fused_linears.append(result)
-        self._record("fuse_linears", result, result.groups)
+        self.paged_passes.record("fuse_linears", result, result.groups)
         return (copy, result.extra_inputs) if result.groups else (gm, [])
-
-    def _rank_one_products(self, gm: fx.GraphModule) -> fx.GraphModule:
-        """Paged mode with `CompileConfig.rank_one_products`: matrix products over one
-        contracted element become multiplies (`passes.rank_one_products`), on a copy of the
-        graph unless `_fuse_linears` made one already."""
-        if not self.config.rank_one_products:
-            return gm
-        gm = self._own_copy(gm)
-        result = rank_one_products(gm)
-        self.rank_one_results.append(self._record("rank_one_products", result, result.rewritten))
-        return gm
-
-    def _skinny_linears(self, gm: fx.GraphModule, device_type: str) -> fx.GraphModule:
-        """Paged mode (on CUDA by default): linears call attngraph's linear ops (`passes.skinny_linears`),
-        on a copy of the graph unless `_fuse_linears` made one already."""
-        if not (self.config.resolved_skinny_linears(device_type) and self.config.lower_attention):
-            return gm
-        gm = self._own_copy(gm)
-        skinny = skinny_linears(gm, token_inputs=self.token_inputs, row_index_inputs=self.row_index_inputs)
-        self.skinny_results.append(self._record("skinny_linears", skinny, skinny.linears))
-        if self.config.fold_rms_norm:
-            norm = fold_rms_norm(gm)
-            self.norm_results.append(self._record("fold_rms_norm", norm, norm.folded))
-            if self.config.fold_norm_epilogue:
-                epilogue = fold_norm_epilogue(gm)
-                self.norm_epilogue_results.append(self._record("fold_norm_epilogue", epilogue, epilogue.folded))
-            if self.config.resolved_fuse_gated_mlp:
-                gated = fuse_gated_mlp(gm)
-                self.gated_mlp_results.append(self._record("fuse_gated_mlp", gated, gated.fused))
-        return gm
-
-    def _fold_rope(self, gm: fx.GraphModule) -> fx.GraphModule:
-        """Paged mode with `CompileConfig.fold_rope`: the rotary embedding into the attention ops
-        (`passes.fold_rope`), on a copy of the graph unless an earlier pass made one."""
-        if not (self.config.resolved_fold_rope and self.config.lower_attention):
-            return gm
-        gm = self._own_copy(gm)
-        rope = fold_rope(gm)
-        self.rope_results.append(self._record("fold_rope", rope, rope.folded))
-        if self.config.fold_rope_linear:
-            into_linear = fold_rope_linear(gm)
-            self.rope_linear_results.append(self._record("fold_rope_linear", into_linear, into_linear.folded))
-        return gm
 
     def _own_copy(self, gm: fx.GraphModule) -> fx.GraphModule:
         """``gm`` to rewrite: a copy where it is Dynamo's own graph (Dynamo keeps reading it),
         else ``gm`` itself (an earlier pass's copy)."""
-        if self.graphs and gm is self.graphs[-1]:
-            graph = fx.Graph()
-            graph.output(graph.graph_copy(gm.graph, {}))
-            gm = fx.GraphModule(gm, graph)
-        return gm
-
-    def _fuse_attention_o(self, gm: fx.GraphModule) -> fx.GraphModule:
-        """Paged mode with `CompileConfig.fuse_attention_o`: each attention op and the output
-        projection after it become one op (`passes.fuse_attention_o`), on a copy of the graph
-        unless an earlier pass made one."""
-        if not (self.config.fuse_attention_o and self.config.lower_attention):
-            return gm
-        gm = self._own_copy(gm)
-        fused = fuse_attention_o(gm)
-        self.attention_o_results.append(self._record("fuse_attention_o", fused, fused.fused))
-        return gm
-
-    def _record(self, name: str, result: Any, applied: list) -> Any:
-        """Put what the paged pass ``name`` did (``applied``, ``result.refused``) in the report
-        and the log (a line per pass and graph at INFO; the pass itself logs each refusal's
-        reason at DEBUG); returns ``result``."""
-        entry = self.report.add_rewrite(name, applied, result.refused)
-        logger.info("attngraph: graph %d: %s: %d rewritten, %d refused", entry.graph_index, name, len(entry.applied),
-                    len(entry.refused))  # fmt: skip
-        return result
+        return _graph_copy(gm) if self.graphs and gm is self.graphs[-1] else gm
 
     def _token_mixing(self, gm: fx.GraphModule) -> list[TokenMixingOp]:
         if self.mode != "paged" or not self.token_inputs or not self.config.lower_attention:
@@ -249,6 +165,13 @@ class AttnGraphBackend:
         if not backend.capabilities.dense:
             return create_backend("torch_native", spec)
         return backend
+
+
+def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A GraphModule over a copy of ``gm``'s graph (same submodules and attributes)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
 
 
 def compile_graph(

@@ -165,7 +165,7 @@ def test_accelerated_generate_with_the_fused_mlp_equals_hf(arch):
     with torch.no_grad():
         want = reference.generate(ids, attention_mask=mask, **GREEDY)
     assert torch.equal(got, want)
-    results = state_of(model).runner.ragged.backend.gated_mlp_results
+    results = state_of(model).runner.ragged.backend.rewrites["fuse_gated_mlp"]
     layers = model.config.num_hidden_layers
     assert results and all(len(r.fused) == layers and not r.refused for r in results)
 

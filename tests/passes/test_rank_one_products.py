@@ -171,7 +171,7 @@ def test_accelerated_llama_has_no_rank_one_product_left_and_keeps_hfs_tokens():
     with torch.no_grad():
         want = reference.generate(ids, attention_mask=mask, **GREEDY)
     assert torch.equal(got, want)
-    results = state_of(model).runner.ragged.backend.rank_one_results
+    results = state_of(model).runner.ragged.backend.rewrites["rank_one_products"]
     assert results and not any(r.refused for r in results)
     expected = 1 if _hf_rotary_is_a_product() else 0
     assert [len(r.rewritten) for r in results] == [expected] * len(results)

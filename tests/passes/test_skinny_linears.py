@@ -153,7 +153,7 @@ def test_accelerated_generate_with_the_rewrite_equals_hf(arch, impl):
     with torch.no_grad():
         want = reference.generate(ids, attention_mask=mask, **GREEDY)
     assert torch.equal(got, want)
-    results = state_of(model).runner.ragged.backend.skinny_results
+    results = state_of(model).runner.ragged.backend.rewrites["skinny_linears"]
     assert results and sum(len(r.linears) for r in results) >= 2 * model.config.num_hidden_layers
     for r in results:  # the LM head reads logits rows, every other linear token rows
         kinds = {name: kind for name, kind in r.rows.items() if name != "logits"}
@@ -163,7 +163,7 @@ def test_accelerated_generate_with_the_rewrite_equals_hf(arch, impl):
     # every norm in front of a projection (two per layer; not the final one, gathered first)
     # folds into it, each but the first with the residual add before it; gpt_oss's norm
     # multiplies in fp32 before rounding: another norm, left alone
-    folded = state_of(model).runner.ragged.backend.norm_results
+    folded = state_of(model).runner.ragged.backend.rewrites["fold_rms_norm"]
     layers = model.config.num_hidden_layers
     want = (0, 0) if arch == "gpt_oss" else (2 * layers, 2 * layers - 1)
     assert (sum(len(r.folded) for r in folded), sum(len(r.with_residual) for r in folded)) == (want[0] * len(folded), want[1] * len(folded))

@@ -158,7 +158,7 @@ def test_rotary_embedding_folded_into_attention_is_the_copy(references, monkeypa
     try:
         got = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, **GREEDY)
         backend_state = state_of(model).runner.ragged.backend
-        results, moved = backend_state.rope_results, backend_state.rope_linear_results
+        results, moved = backend_state.rewrites["fold_rope"], backend_state.rewrites["fold_rope_linear"]
     finally:
         attngraph.restore(model)
     diff = (got != want).nonzero().tolist()

@@ -168,7 +168,7 @@ def test_rotary_fold_keeps_the_tokens(arch, impl):
         want = reference.generate(ids, attention_mask=mask, **GREEDY)
     got = model.generate(ids, attention_mask=mask, **GREEDY)
     assert torch.equal(got, want)
-    results = state_of(model).runner.ragged.backend.rope_results
+    results = state_of(model).runner.ragged.backend.rewrites["fold_rope"]
     assert results and not any(r.refused for r in results), [r.refused for r in results]
     if arch in ("llama", "qwen2", "mistral", "gemma"):
         assert all(len(r.folded) == model.config.num_hidden_layers for r in results)
@@ -192,7 +192,7 @@ def test_norm_epilogue_fold_keeps_the_tokens(arch, monkeypatch):
         want = reference.generate(ids, attention_mask=mask, **GREEDY)
     got = model.generate(ids, attention_mask=mask, **GREEDY)
     assert torch.equal(got, want)
-    results = state_of(model).runner.ragged.backend.norm_epilogue_results
+    results = state_of(model).runner.ragged.backend.rewrites["fold_norm_epilogue"]
     assert results
     folded = sum(len(r.folded) for r in results)
     if arch == "gemma":
@@ -216,10 +216,11 @@ def test_rotary_fold_into_the_projection_keeps_the_tokens(arch):
     got = model.generate(ids, attention_mask=mask, **GREEDY)
     assert torch.equal(got, want)
     backend = state_of(model).runner.ragged.backend
-    folded = sum(len(r.folded) for r in backend.rope_results)
-    moved = sum(len(r.folded) for r in backend.rope_linear_results)
-    assert backend.rope_linear_results and moved + sum(len(r.refused) for r in backend.rope_linear_results) == folded
+    into_linear = backend.rewrites["fold_rope_linear"]
+    folded = sum(len(r.folded) for r in backend.rewrites["fold_rope"])
+    moved = sum(len(r.folded) for r in into_linear)
+    assert into_linear and moved + sum(len(r.refused) for r in into_linear) == folded
     if arch in ("llama", "qwen2", "mistral", "gemma"):
-        assert moved == folded > 0, [r.refused for r in backend.rope_linear_results]
+        assert moved == folded > 0, [r.refused for r in into_linear]
     if arch == "qwen3":
         assert moved == 0 < folded

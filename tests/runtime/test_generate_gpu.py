@@ -240,9 +240,9 @@ def test_rotary_embedding_folded_into_attention_on_gpu(arch, backend, into_linea
     reference = copy.deepcopy(model)
     attngraph.accelerate(model, attention_backend=backend, page_size=16, kv_cache_tokens=8192, cuda_graph_capture_sizes=(1, 2, 4),
                          fold_rope=True, fold_rope_linear=into_linear)  # fmt: skip
-    results = state_of(model).runner.ragged.backend.rope_results
+    results = state_of(model).runner.ragged.backend.rewrites["fold_rope"]
     assert results and all(len(r.folded) == model.config.num_hidden_layers and not r.refused for r in results)
-    moved = state_of(model).runner.ragged.backend.rope_linear_results
+    moved = state_of(model).runner.ragged.backend.rewrites["fold_rope_linear"]
     assert all(len(r.folded) == model.config.num_hidden_layers and not r.refused for r in moved) and bool(moved) == into_linear
     ids, mask = batch(model.config.vocab_size)
     out = generate_teacher_forced(model, reference, ids, mask, 128)
@@ -267,7 +267,7 @@ def test_norm_epilogue_on_gpu(arch, rope, monkeypatch):
     reference = copy.deepcopy(model)
     attngraph.accelerate(model, attention_backend="triton", page_size=16, kv_cache_tokens=8192, cuda_graph_capture_sizes=(1, 2, 4),
                          fold_norm_epilogue=True, fold_rope=rope, fold_rope_linear=rope)  # fmt: skip
-    results = state_of(model).runner.ragged.backend.norm_epilogue_results
+    results = state_of(model).runner.ragged.backend.rewrites["fold_norm_epilogue"]
     assert results and all(len(r.folded) == model.config.num_hidden_layers for r in results), [r.refused for r in results]
     assert any(epilogues)  # the one- and two-row graphs captured the epilogue's launches
     ids, mask = batch(model.config.vocab_size)
@@ -293,7 +293,7 @@ def test_attention_fused_with_output_projection_on_gpu(arch, monkeypatch):
     reference = copy.deepcopy(model)
     attngraph.accelerate(model, attention_backend="triton", page_size=16, kv_cache_tokens=8192, cuda_graph_capture_sizes=(1, 2, 4),
                          fuse_attention_o=True)  # fmt: skip
-    results = state_of(model).runner.ragged.backend.attention_o_results
+    results = state_of(model).runner.ragged.backend.rewrites["fuse_attention_o"]
     assert results and all(len(r.fused) == model.config.num_hidden_layers and not r.refused for r in results), [r.refused for r in results]
     assert launches  # the batch-1 graph captured the fused launch
     ids, mask = batch(model.config.vocab_size)
@@ -319,7 +319,7 @@ def test_gated_mlp_fused_on_gpu(arch, monkeypatch):
     reference = copy.deepcopy(model)
     attngraph.accelerate(model, attention_backend="triton", page_size=16, kv_cache_tokens=8192, cuda_graph_capture_sizes=(1, 2, 4),
                          fuse_gated_mlp=True)  # fmt: skip
-    results = state_of(model).runner.ragged.backend.gated_mlp_results
+    results = state_of(model).runner.ragged.backend.rewrites["fuse_gated_mlp"]
     assert results and all(len(r.fused) == model.config.num_hidden_layers and not r.refused for r in results), [r.refused for r in results]
     assert any(gated)  # the batch-4 graph captured the gated launch
     ids, mask = batch(model.config.vocab_size)
