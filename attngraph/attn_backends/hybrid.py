@@ -17,6 +17,7 @@ from typing import Iterable
 
 import torch
 
+from ..config import CompileConfig
 from ..forward_batch import ForwardBatch, ForwardMode
 from .base import AttentionBackend, AttentionLayer, BackendCapabilities, GraphSupport, ModelAttentionSpec
 from .registry import create_backend, resolve_backend_name
@@ -160,7 +161,7 @@ class HybridBackend(AttentionBackend):
 
 
 def create_attention_backend(
-    attention_backend: "str | object" = "auto",
+    attention_backend: "str | CompileConfig" = "auto",
     prefill_attention_backend: str | None = None,
     decode_attention_backend: str | None = None,
     *,
@@ -168,23 +169,23 @@ def create_attention_backend(
 ) -> AttentionBackend:
     """The backend for a model: a single one, or a `HybridBackend` when prefill and decode differ.
 
-    ``attention_backend`` is a registered name or ``"auto"``; it may also be a config-like
-    object (a `CompileConfig`) carrying the three fields, in which case the other two
-    arguments must be left out. ``None`` for the prefill or decode name inherits
+    ``attention_backend`` is a registered name or ``"auto"``; it may also be a `CompileConfig`
+    (its three backend fields), in which case the other two arguments must be left out. ``None`` for the prefill or decode name inherits
     ``attention_backend``. A config's ``deterministic`` goes to backends that take it. Names are resolved (``"auto"`` included) before comparing, so
     ``("auto", decode="triton")`` on a machine where auto picks Triton gives one
     backend. Raises `BackendUnavailableError` naming the alternatives when a name cannot serve
     ``spec``.
     """
     options = {}
-    if not isinstance(attention_backend, str):
+    if isinstance(attention_backend, CompileConfig):
         cfg = attention_backend
         if prefill_attention_backend is not None or decode_attention_backend is not None:
-            raise TypeError("pass either a config-like object or backend names, not both")
+            raise TypeError("pass either a CompileConfig or backend names, not both")
         attention_backend = cfg.attention_backend
-        prefill_attention_backend = getattr(cfg, "prefill_attention_backend", None)
-        decode_attention_backend = getattr(cfg, "decode_attention_backend", None)
-        options["deterministic"] = bool(getattr(cfg, "deterministic", False))
+        prefill_attention_backend, decode_attention_backend = cfg.prefill_attention_backend, cfg.decode_attention_backend
+        options["deterministic"] = cfg.deterministic
+    elif not isinstance(attention_backend, str):
+        raise TypeError(f"attention_backend must be a backend name or a CompileConfig, got {type(attention_backend).__name__}")
     prefill_name = resolve_backend_name(prefill_attention_backend or attention_backend, spec)
     decode_name = resolve_backend_name(decode_attention_backend or attention_backend, spec)
     if prefill_name == decode_name:

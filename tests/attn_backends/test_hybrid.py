@@ -21,6 +21,7 @@ from attngraph.attn_backends.base import (  # noqa: E402
 from attngraph.attn_backends.hybrid import HybridBackend, combine_capabilities, create_attention_backend  # noqa: E402
 from attngraph.attn_backends.registry import known_backend_names, register_attention_backend  # noqa: E402
 from attngraph.attn_backends.torch_native import TorchNativeBackend  # noqa: E402
+from attngraph.config import CompileConfig  # noqa: E402
 from attngraph.errors import BackendUnavailableError  # noqa: E402
 from attngraph.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from attngraph.runtime.kv_pool import KVPool  # noqa: E402
@@ -181,13 +182,12 @@ def test_create_attention_backend():
     assert type(hybrid.prefill_backend) is TorchNativeBackend and type(hybrid.decode_backend) is Recording
     assert hybrid.spec is SPEC
 
-    class Cfg:
-        attention_backend = "auto"
-        prefill_attention_backend = _TEST_NAME
-        decode_attention_backend = None
-
-    from_cfg = create_attention_backend(Cfg(), spec=SPEC)
+    from_cfg = create_attention_backend(CompileConfig(prefill_attention_backend=_TEST_NAME), spec=SPEC)
     assert type(from_cfg.prefill_backend) is Recording and type(from_cfg.decode_backend) is TorchNativeBackend
+    with pytest.raises(TypeError, match="a backend name or a CompileConfig"):
+        create_attention_backend(object(), spec=SPEC)
+    with pytest.raises(TypeError, match="not both"):
+        create_attention_backend(CompileConfig(), decode_attention_backend="torch_native", spec=SPEC)
 
     with pytest.raises(BackendUnavailableError):
         create_attention_backend("torch_native", prefill_attention_backend="flashinfer", spec=SPEC)
