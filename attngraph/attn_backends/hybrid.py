@@ -170,10 +170,11 @@ def create_attention_backend(
     """The backend for a model: a single one, or a `HybridBackend` when prefill and decode differ.
 
     ``attention_backend`` is a registered name or ``"auto"``; it may also be a `CompileConfig`
-    (its three backend fields), in which case the other two arguments must be left out. ``None`` for the prefill or decode name inherits
-    ``attention_backend``. A config's ``deterministic`` goes to backends that take it. Names are resolved (``"auto"`` included) before comparing, so
-    ``("auto", decode="triton")`` on a machine where auto picks Triton gives one
-    backend. Raises `BackendUnavailableError` naming the alternatives when a name cannot serve
+    (its three backend fields), in which case the other two arguments must be left out.
+    ``None`` for the prefill or decode name inherits ``attention_backend``. A config's
+    ``deterministic`` goes to backends that take it. Names are resolved (``"auto"`` included)
+    before comparing, so ``("auto", decode="triton")`` on a machine where auto picks Triton
+    gives one backend. Raises `BackendUnavailableError` naming the alternatives when a name cannot serve
     ``spec``.
     """
     options = {}
