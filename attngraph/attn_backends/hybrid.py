@@ -18,6 +18,7 @@ from typing import Iterable
 import torch
 
 from ..config import CompileConfig
+from ..errors import InputError
 from ..forward_batch import ForwardBatch, ForwardMode
 from .base import AttentionBackend, AttentionLayer, BackendCapabilities, GraphSupport, ModelAttentionSpec
 from .registry import create_backend, resolve_backend_name
@@ -181,12 +182,12 @@ def create_attention_backend(
     if isinstance(attention_backend, CompileConfig):
         cfg = attention_backend
         if prefill_attention_backend is not None or decode_attention_backend is not None:
-            raise TypeError("pass either a CompileConfig or backend names, not both")
+            raise InputError("pass either a CompileConfig or backend names, not both")
         attention_backend = cfg.attention_backend
         prefill_attention_backend, decode_attention_backend = cfg.prefill_attention_backend, cfg.decode_attention_backend
         options["deterministic"] = cfg.deterministic
     elif not isinstance(attention_backend, str):
-        raise TypeError(f"attention_backend must be a backend name or a CompileConfig, got {type(attention_backend).__name__}")
+        raise InputError(f"attention_backend must be a backend name or a CompileConfig, got {type(attention_backend).__name__}")
     prefill_name = resolve_backend_name(prefill_attention_backend or attention_backend, spec)
     decode_name = resolve_backend_name(decode_attention_backend or attention_backend, spec)
     if prefill_name == decode_name:
