@@ -22,8 +22,9 @@ that changes the result's dtype is left alone), and, for float32, a matmul preci
 fp32 at compile time (a TF32 product rounds its operands: left to cuBLAS so the result stays
 HF's).
 
-Runs in paged mode on a Dynamo graph (torch-level calls); the rewrite keeps each node's
-``example_value``.
+Runs in paged mode on a Dynamo graph (torch-level calls). The product's result was
+contiguous, so the multiply is followed by ``contiguous()`` (free where its operands already
+make it so, as in the rotary angles); that node keeps the product's ``example_value``.
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ def _contracts_one(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def rank_one_products(gm: fx.GraphModule) -> RankOneResult:
     """Rewrite ``gm`` in place: each matrix product over one contracted element becomes
-    ``torch.mul(a, b)`` (see the module doc for the conditions). Returns what changed."""
+    ``torch.mul(a, b).contiguous()`` (see the module doc for the conditions; inductor fuses
+    both into the kernel of their reader). Returns what changed."""
     result = RankOneResult()
     ieee = fp32_products_are_ieee()
     for node in list(gm.graph.nodes):
@@ -119,8 +121,12 @@ def rank_one_products(gm: fx.GraphModule) -> RankOneResult:
             continue
         with gm.graph.inserting_before(node):
             mul = gm.graph.call_function(torch.mul, operands)
-        mul.meta.update(node.meta)
-        node.replace_all_uses_with(mul)
+            # a product's result is contiguous; a broadcast multiply's need not be (it follows
+            # its operands' layout), and a ``view`` after it may rely on that
+            dense = gm.graph.call_method("contiguous", (mul,))
+        mul.meta.update({k: v for k, v in node.meta.items() if k != "example_value"})  # its value: fill_example_values
+        dense.meta.update(node.meta)
+        node.replace_all_uses_with(dense)
         gm.graph.erase_node(node)
         result.rewritten.append(mul.name)
     if result.rewritten:

@@ -41,6 +41,22 @@ class RotaryAngles(torch.nn.Module):
         return emb.cos() * 2.0, emb.sin()
 
 
+class PermutedProduct(torch.nn.Module):
+    """A product over one element whose first operand is a permuted view (a broadcast multiply
+    of it is not contiguous), followed by a ``view`` that needs the product's dense layout."""
+
+    def forward(self, a, b):
+        return (a.permute(1, 0, 2) @ b).view(-1)
+
+
+def test_the_multiply_keeps_the_products_dense_layout():
+    a, b = torch.randn(8, 5, 1), torch.randn(5, 1, 7)
+    assert not (a.permute(1, 0, 2) * b).is_contiguous()  # what the bare multiply would give
+    gm, example = traced(PermutedProduct(), a, b)
+    assert len(rank_one_products(gm).rewritten) == 1 and products(gm) == 0
+    assert torch.equal(gm(*example)[0], PermutedProduct()(a, b))
+
+
 def test_symbolic_batch_and_token_counts_keep_the_rewrite_exact():
     """Sizes as symbols (as the paged runtime traces its token counts): the contracted size is
     still the literal 1, the rewritten graph runs at other sizes with equal bits."""
