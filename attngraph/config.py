@@ -123,7 +123,7 @@ class CompileConfig:
     deterministic:
         Fixed split counts and reduction order, so repeated runs give bit-identical results.
     rank_one_products:
-        Paged runtime: a matrix product over one contracted element (HF's rotary angles in
+        Paged runtime and stateless graphs: a matrix product over one contracted element (HF's rotary angles in
         transformers 5.17, ``[B, D/2, 1] @ [B, 1, T]``) becomes the equal broadcast multiply
         (`passes.rank_one_products`), which inductor fuses into the cos/sin kernel instead of
         launching an fp32 GEMM at the head of each step.

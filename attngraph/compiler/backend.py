@@ -21,7 +21,7 @@ from ..passes.site import AttentionSite
 from ..passes.fuse_linears import fuse_linears
 from ..passes.token_mixing import TokenMixingOp, check_token_mixing
 from ..forward_context import ForwardContext, use_forward_context
-from .paged_passes import PagedPassManager
+from .rewrite_passes import RewritePassManager
 from .pipeline import PassPipeline
 from .proof_cache import cached_token_mixing
 from .report import AttentionReport, user_input_names
@@ -72,9 +72,9 @@ class AttnGraphBackend:
         self.row_index_inputs = tuple(row_index_inputs)
         self.compile_hook = compile_hook
         self.fused_linears: list = []  # a passes.fuse_linears.FuseResult per paged graph
-        #: The rewrite passes after it (`compiler.paged_passes`); ``rewrites[name]``: their results.
-        self.paged_passes = PagedPassManager(self.config, self.report, self.token_inputs, self.row_index_inputs)
-        self.rewrites = self.paged_passes.results
+        #: The rewrite passes after lowering (`compiler.rewrite_passes`); ``rewrites[name]``: their results.
+        self.rewrite_passes = RewritePassManager(self.config, self.report, self.token_inputs, self.row_index_inputs)
+        self.rewrites = self.rewrite_passes.results
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         input_names = user_input_names(gm)  # read before the passes rewrite the graph
@@ -87,7 +87,7 @@ class AttnGraphBackend:
         device_type = _device_type(sites, example_inputs)
         if self.mode == "paged":
             gm, extra = self._fuse_linears(gm, example_inputs)
-            gm = self.paged_passes.run(gm, device_type, self._own_copy)
+            gm = self.rewrite_passes.run(gm, device_type, self._own_copy)
             fu.fill_example_values(gm)  # the passes' nodes: else AOTAutograd's cache refuses the graph
             fakes = self.fused_linears[-1].extra_fakes if extra else []
             inputs = list(example_inputs) + (fakes if len(fakes) == len(extra) else extra)
@@ -103,6 +103,7 @@ class AttnGraphBackend:
             if not extra:
                 return compiled
             return lambda *args: compiled(*args, *extra)  # the fused weights follow Dynamo's inputs
+        gm = self.rewrite_passes.run(gm, device_type, self._own_copy, paged=False)
         fu.fill_example_values(gm)
         compiled = compile_graph(
             gm, example_inputs, self.config.resolved_piece_compiler(device_type),
@@ -125,7 +126,7 @@ class AttnGraphBackend:
         copy = _graph_copy(gm)
         result = fuse_linears(copy, example_inputs)
         self.fused_linears.append(result)
-        self.paged_passes.record("fuse_linears", result, result.groups)
+        self.rewrite_passes.record("fuse_linears", result, result.groups)
         return (copy, result.extra_inputs) if result.groups else (gm, [])
 
     def _own_copy(self, gm: fx.GraphModule) -> fx.GraphModule:

@@ -191,3 +191,19 @@ def test_accelerated_llama_has_no_rank_one_product_left_and_keeps_hfs_tokens():
     assert results and not any(r.refused for r in results)
     expected = 1 if _hf_rotary_is_a_product() else 0
     assert [len(r.rewritten) for r in results] == [expected] * len(results)
+
+
+def test_the_stateless_backend_rewrites_too():
+    """``torch.compile(module, backend=AttnGraphBackend())`` (stateless graphs): the product
+    becomes a multiply there as well, and the compiled module returns the module's bits."""
+    from attngraph.compiler.backend import AttnGraphBackend
+
+    module = RotaryAngles()
+    x, pos = torch.randn(3, 7, 16), _positions(torch.float32)
+    backend = AttnGraphBackend()
+    torch._dynamo.reset()
+    got = torch.compile(module, backend=backend, fullgraph=True)(x, pos)
+    assert [len(r.rewritten) for r in backend.rewrites["rank_one_products"]] == [1]
+    assert [len(r) for name, r in backend.rewrites.items() if name != "rank_one_products"] == [0] * 7
+    for g, w in zip(got, module(x, pos)):
+        assert torch.equal(g, w)

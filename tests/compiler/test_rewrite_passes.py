@@ -1,4 +1,4 @@
-"""`compiler.paged_passes`: which rewrite passes a config runs, in what order, on one copy of
+"""`compiler.rewrite_passes`: which rewrite passes a config runs, in what order, on one copy of
 the graph, and what the manager keeps and reports of each."""
 
 from dataclasses import dataclass, field
@@ -7,13 +7,13 @@ import pytest
 import torch
 from torch import fx
 
-from attngraph.compiler.paged_passes import PAGED_PASSES, PagedPass, PagedPassManager
+from attngraph.compiler.rewrite_passes import REWRITE_PASSES, RewritePass, RewritePassManager
 from attngraph.compiler.report import AttentionReport
 from attngraph.config import CompileConfig
 
 
 def names(config: CompileConfig, device_type: str) -> list[str]:
-    return [p.name for p in PagedPassManager(config, AttentionReport()).enabled(device_type)]
+    return [p.name for p in RewritePassManager(config, AttentionReport()).enabled(device_type)]
 
 
 @pytest.mark.parametrize(
@@ -36,9 +36,15 @@ def test_the_config_picks_the_passes_in_their_order(options, device_type, want):
     assert names(CompileConfig(**options), device_type) == want
 
 
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
+def test_stateless_graphs_run_only_the_passes_that_need_no_paged_op(device_type):
+    manager = RewritePassManager(CompileConfig(skinny_linears=True, fuse_attention_o=True), AttentionReport())
+    assert [p.name for p in manager.enabled(device_type, paged=False)] == ["rank_one_products"]
+
+
 def test_every_pass_has_a_name_of_its_own_and_a_result_field():
-    assert len({p.name for p in PAGED_PASSES}) == len(PAGED_PASSES)
-    assert all(p.applied for p in PAGED_PASSES)
+    assert len({p.name for p in REWRITE_PASSES}) == len(REWRITE_PASSES)
+    assert all(p.applied for p in REWRITE_PASSES)
 
 
 @dataclass
@@ -47,7 +53,7 @@ class _Result:
     refused: list = field(default_factory=list)
 
 
-def _marking(name: str, on: bool = True, op=torch.add, operand: float = 1.0) -> PagedPass:
+def _marking(name: str, on: bool = True, op=torch.add, operand: float = 1.0) -> RewritePass:
     """A pass that applies ``op(y, operand)`` to the graph's output ``y``."""
 
     def run(gm, token_inputs, row_index_inputs):
@@ -58,7 +64,7 @@ def _marking(name: str, on: bool = True, op=torch.add, operand: float = 1.0) -> 
         gm.recompile()
         return _Result(marked=[node.name], refused=[("x", f"{name} saw {token_inputs}")])
 
-    return PagedPass(name, lambda config, device_type: on, run, "marked")
+    return RewritePass(name, lambda config, device_type: on, run, "marked")
 
 
 def _graph() -> fx.GraphModule:
@@ -68,7 +74,7 @@ def _graph() -> fx.GraphModule:
 def test_the_enabled_passes_run_in_order_on_one_copy_and_are_recorded():
     report = AttentionReport()
     report.add_graph([], {}, [])
-    manager = PagedPassManager(CompileConfig(), report, token_inputs=("input_ids",),
+    manager = RewritePassManager(CompileConfig(), report, token_inputs=("input_ids",),
                                passes=(_marking("first"), _marking("off", on=False), _marking("second", op=torch.mul,
                                                                                               operand=3.0)))  # fmt: skip
     copies = []
@@ -90,6 +96,6 @@ def test_the_enabled_passes_run_in_order_on_one_copy_and_are_recorded():
 
 
 def test_no_enabled_pass_leaves_the_graph_uncopied():
-    manager = PagedPassManager(CompileConfig(), AttentionReport(), passes=(_marking("off", on=False),))
+    manager = RewritePassManager(CompileConfig(), AttentionReport(), passes=(_marking("off", on=False),))
     gm = _graph()
     assert manager.run(gm, "cuda", lambda g: pytest.fail("copied")) is gm and manager.results == {"off": []}
