@@ -22,7 +22,7 @@ that changes the result's dtype is left alone), and, for float32, a matmul preci
 fp32 at compile time (a TF32 product rounds its operands: left to cuBLAS so the result stays
 HF's).
 
-Runs in paged mode on a Dynamo graph (torch-level calls). The product's result was
+Runs on Dynamo graphs (torch-level calls), paged and stateless. The product's result was
 contiguous, so the multiply is followed by ``contiguous()`` (free where its operands already
 make it so, as in the rotary angles); that node keeps the product's ``example_value``.
 """
