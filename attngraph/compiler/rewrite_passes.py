@@ -65,17 +65,17 @@ REWRITE_PASSES: tuple[RewritePass, ...] = (
     RewritePass("rank_one_products", lambda c, d: c.rank_one_products, lambda gm, t, r: rank_one_products(gm),
                 "rewritten", stateless=True),
     RewritePass("skinny_linears", _skinny,
-              lambda gm, t, r: skinny_linears(gm, token_inputs=t, row_index_inputs=r), "linears"),
+                lambda gm, t, r: skinny_linears(gm, token_inputs=t, row_index_inputs=r), "linears"),
     RewritePass("fold_rms_norm", _norm, lambda gm, t, r: fold_rms_norm(gm), "folded"),
     RewritePass("fold_norm_epilogue", lambda c, d: _norm(c, d) and c.fold_norm_epilogue,
-              lambda gm, t, r: fold_norm_epilogue(gm), "folded"),
+                lambda gm, t, r: fold_norm_epilogue(gm), "folded"),
     RewritePass("fuse_gated_mlp", lambda c, d: _norm(c, d) and c.resolved_fuse_gated_mlp,
-              lambda gm, t, r: fuse_gated_mlp(gm), "fused"),
+                lambda gm, t, r: fuse_gated_mlp(gm), "fused"),
     RewritePass("fold_rope", _rope, lambda gm, t, r: fold_rope(gm), "folded"),
     RewritePass("fold_rope_linear", lambda c, d: _rope(c, d) and c.fold_rope_linear,
-              lambda gm, t, r: fold_rope_linear(gm), "folded"),
+                lambda gm, t, r: fold_rope_linear(gm), "folded"),
     RewritePass("fuse_attention_o", lambda c, d: c.lower_attention and c.fuse_attention_o,
-              lambda gm, t, r: fuse_attention_o(gm), "fused"),
+                lambda gm, t, r: fuse_attention_o(gm), "fused"),
 )  # fmt: skip
 
 
