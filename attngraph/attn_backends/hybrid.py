@@ -175,8 +175,9 @@ def create_attention_backend(
     ``None`` for the prefill or decode name inherits ``attention_backend``. A config's
     ``deterministic`` goes to backends that take it. Names are resolved (``"auto"`` included)
     before comparing, so ``("auto", decode="triton")`` on a machine where auto picks Triton
-    gives one backend. Raises `BackendUnavailableError` naming the alternatives when a name cannot serve
-    ``spec``.
+    gives one backend. Raises `BackendUnavailableError` naming the alternatives when a name
+    cannot serve ``spec``, and `InputError` for an ``attention_backend`` that is neither a name
+    nor a `CompileConfig`, or a config together with names.
     """
     options = {}
     if isinstance(attention_backend, CompileConfig):

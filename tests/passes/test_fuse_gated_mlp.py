@@ -149,23 +149,10 @@ def test_refused_where_a_half_of_the_product_is_read_elsewhere():
 def test_accelerated_generate_with_the_fused_mlp_equals_hf(arch):
     """The paged runtime with every decoder MLP fused (the CPU runs the op's fallback, the
     replaced ops: fp32 tokens equal HF's exactly), one op per layer and graph."""
-    import copy
+    from ..runtime.test_generate import greedy_equals_hf
 
-    import attngraph
-    from attngraph.runtime.accelerate import state_of
-
-    from ..hf_models import build_model
-    from ..runtime.test_generate import GREEDY, left_padded_batch
-
-    model = build_model(arch, "sdpa")
-    reference = copy.deepcopy(model)
-    attngraph.accelerate(model, attention_backend="torch_native", page_size=4, skinny_linears=True, fuse_gated_mlp=True)
-    ids, mask = left_padded_batch(model.config.vocab_size)
-    got = model.generate(ids, attention_mask=mask, **GREEDY)
-    with torch.no_grad():
-        want = reference.generate(ids, attention_mask=mask, **GREEDY)
-    assert torch.equal(got, want)
-    results = state_of(model).runner.ragged.backend.rewrites["fuse_gated_mlp"]
+    model, backend = greedy_equals_hf(arch, "sdpa", skinny_linears=True, fuse_gated_mlp=True)
+    results = backend.rewrites["fuse_gated_mlp"]
     layers = model.config.num_hidden_layers
     assert results and all(len(r.fused) == layers and not r.refused for r in results)
 

@@ -171,23 +171,10 @@ def test_accelerated_llama_has_no_rank_one_product_left_and_keeps_hfs_tokens():
     """The paged runtime on a tiny Llama: HF's rotary angles become a multiply in every graph
     where this transformers writes them as a product (5.17), nothing is refused, and greedy
     fp32 tokens equal HF's."""
-    import copy
+    from ..runtime.test_generate import greedy_equals_hf
 
-    import attngraph
-    from attngraph.runtime.accelerate import state_of
-
-    from ..hf_models import build_model
-    from ..runtime.test_generate import GREEDY, left_padded_batch
-
-    model = build_model("llama", "sdpa")
-    reference = copy.deepcopy(model)
-    attngraph.accelerate(model, attention_backend="torch_native", page_size=4)
-    ids, mask = left_padded_batch(model.config.vocab_size)
-    got = model.generate(ids, attention_mask=mask, **GREEDY)
-    with torch.no_grad():
-        want = reference.generate(ids, attention_mask=mask, **GREEDY)
-    assert torch.equal(got, want)
-    results = state_of(model).runner.ragged.backend.rewrites["rank_one_products"]
+    _, backend = greedy_equals_hf("llama", "sdpa")
+    results = backend.rewrites["rank_one_products"]
     assert results and not any(r.refused for r in results)
     expected = 1 if _hf_rotary_is_a_product() else 0
     assert [len(r.rewritten) for r in results] == [expected] * len(results)

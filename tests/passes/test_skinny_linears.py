@@ -137,23 +137,10 @@ def test_a_linear_with_keyword_arguments_is_left_alone():
 def test_accelerated_generate_with_the_rewrite_equals_hf(arch, impl):
     """The whole paged runtime with every linear rewritten (the CPU runs the ops' torch
     fallback, so fp32 tokens must equal HF's exactly) and the graphs' rewrites counted."""
-    import copy
+    from ..runtime.test_generate import greedy_equals_hf
 
-    import attngraph
-    from attngraph.runtime.accelerate import state_of
-
-    from ..hf_models import build_model
-    from ..runtime.test_generate import GREEDY, left_padded_batch
-
-    model = build_model(arch, impl)
-    reference = copy.deepcopy(model)
-    attngraph.accelerate(model, attention_backend="torch_native", page_size=4, skinny_linears=True)
-    ids, mask = left_padded_batch(model.config.vocab_size)
-    got = model.generate(ids, attention_mask=mask, **GREEDY)
-    with torch.no_grad():
-        want = reference.generate(ids, attention_mask=mask, **GREEDY)
-    assert torch.equal(got, want)
-    results = state_of(model).runner.ragged.backend.rewrites["skinny_linears"]
+    model, backend = greedy_equals_hf(arch, impl, skinny_linears=True)
+    results = backend.rewrites["skinny_linears"]
     assert results and sum(len(r.linears) for r in results) >= 2 * model.config.num_hidden_layers
     for r in results:  # the LM head reads logits rows, every other linear token rows
         kinds = {name: kind for name, kind in r.rows.items() if name != "logits"}
@@ -163,7 +150,7 @@ def test_accelerated_generate_with_the_rewrite_equals_hf(arch, impl):
     # every norm in front of a projection (two per layer; not the final one, gathered first)
     # folds into it, each but the first with the residual add before it; gpt_oss's norm
     # multiplies in fp32 before rounding: another norm, left alone
-    folded = state_of(model).runner.ragged.backend.rewrites["fold_rms_norm"]
+    folded = backend.rewrites["fold_rms_norm"]
     layers = model.config.num_hidden_layers
     want = (0, 0) if arch == "gpt_oss" else (2 * layers, 2 * layers - 1)
     assert (sum(len(r.folded) for r in folded), sum(len(r.with_residual) for r in folded)) == (want[0] * len(folded), want[1] * len(folded))

@@ -34,6 +34,19 @@ def accelerated_pair(arch, impl, **options):
 GREEDY = dict(max_new_tokens=16, do_sample=False, pad_token_id=PAD, eos_token_id=None)
 
 
+def greedy_equals_hf(arch, impl, **options):
+    """Accelerate a tiny ``arch`` model with ``options`` (`accelerated_pair`), assert its greedy
+    tokens of `left_padded_batch` equal HF eager's on the copy, and return ``(model, the paged
+    runtime's compile backend)`` for the caller's checks of the rewrites."""
+    model, reference = accelerated_pair(arch, impl, **options)
+    ids, mask = left_padded_batch(model.config.vocab_size)
+    got = model.generate(ids, attention_mask=mask, **GREEDY)
+    with torch.no_grad():
+        want = reference.generate(ids, attention_mask=mask, **GREEDY)
+    assert torch.equal(got, want)
+    return model, state_of(model).runner.ragged.backend
+
+
 @pytest.mark.parametrize("arch,impl", arch_impl_params())
 def test_greedy_and_sampling_match_hf(arch, impl):
     model, reference = accelerated_pair(arch, impl)
