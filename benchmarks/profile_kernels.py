@@ -241,6 +241,12 @@ def generate_table(model, batch: int, prompt: int, new_tokens: int) -> dict:
 
     g1, gn = gaps(s1), gaps(sn)
     per_step = lambda a, b: round((b - a) / steps, 2)  # noqa: E731
+    e1, en = exposed_us(s1), exposed_us(sn)
+    c1, cn = defaultdict(int), defaultdict(int)
+    for spans, counts in ((s1, c1), (sn, cn)):
+        for _, _, name in spans:
+            counts[name] += 1
+    by_name = {name: [per_step(e1.get(name, 0.0), en[name]), per_step(c1[name], cn[name])] for name in en}
     return {
         "wall_us_per_step": per_step(w1, wn),
         "kernels_per_step": per_step(len(s1), len(sn)),
@@ -248,6 +254,9 @@ def generate_table(model, batch: int, prompt: int, new_tokens: int) -> dict:
         "idle_us_per_step_by_gap": {k: per_step(g1[k], gn[k]) for k in gn},
         "idle_us_per_step_by_boundary": {k: [round(us / steps, 2), round(n / steps, 2)] for k, (us, n) in
                                          sorted(idle_by_boundary(sn, 1e9).items(), key=lambda kv: -kv[1][0])[:12]},
+        # [exposed us, launches] per step by kernel name (the N-token call's less the 1-token
+        # call's, over N - 1): what the decoding loop adds to the model's step shows here
+        "exposed_us_per_step_by_name": dict(sorted(by_name.items(), key=lambda kv: -kv[1][0])[:16]),
     }
 
 
