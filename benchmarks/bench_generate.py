@@ -68,6 +68,7 @@ import torch
 import transformers
 
 import attngraph
+import attngraph.argmax
 import attngraph.pdl
 from attngraph import linear_ops
 
@@ -201,7 +202,7 @@ PDL_LABELS = {"on": "", "ours": " pdl=attngraph kernels only", "off": " pdl=off"
 VARIANT_SWITCHES = ("backends", "skinny", "fold_rms_norm", "pdl", "one_row_limit", "dot", "prefetch", "dot_fold_norm",
                     "dot_min_rows", "fold_rope", "l2_prefetch_mlp", "norm_epilogue", "gemv_table", "decode_block_n",
                     "decode_min_split", "fuse_o", "decode_merge_chunk", "gated_mlp", "l2_prefetch_o", "dot_heads", "gated_weight_limit",
-                    "rank_one")  # fmt: skip
+                    "rank_one", "argmax")  # fmt: skip
 
 #: ``--loops``: generate keywords per decoding loop.
 LOOPS = {"chunks": {}, "steps": {"logits_processor": transformers.LogitsProcessorList([_KeepScores()])}}
@@ -384,6 +385,9 @@ def main() -> None:
     p.add_argument("--rank-one", default="on",
                    help="CompileConfig.rank_one_products (matrix products over one contracted element, as HF's "
                         "rotary angles in transformers 5.17, as multiplies): on (the default) and/or off, comma-separated")  # fmt: skip
+    p.add_argument("--argmax", default="kernels",
+                   help="how the greedy loop picks tokens (attngraph.argmax.KERNELS): kernels (the default: the row "
+                        "split over the GPU) and/or torch (torch.argmax), comma-separated")  # fmt: skip
     p.add_argument("--fuse-o", default="default",
                    help="CompileConfig.fuse_attention_o (attention and the output projection as one op; one launch "
                         "for a decode step of one request on Triton): default (the config's), off and/or on, on-sN "
@@ -432,6 +436,8 @@ def main() -> None:
         p.error(f"--gated-weight-limit takes 'default' or positive element counts; got {', '.join(bad)}")
     if bad := [v for v in args.rank_one.split(",") if v not in ("on", "off")]:
         p.error(f"--rank-one takes on and/or off; got {', '.join(bad)}")
+    if bad := [v for v in args.argmax.split(",") if v not in ("kernels", "torch")]:
+        p.error(f"--argmax takes kernels and/or torch; got {', '.join(bad)}")
     if bad := [v for v in args.dot_heads.split(",") if v not in ("default", "on", "off")]:
         p.error(f"--dot-heads takes default, on and/or off; got {', '.join(bad)}")
     if bad := [v for v in args.l2_prefetch_o.split(",") if v not in ("on", "off")]:
@@ -496,7 +502,7 @@ def main() -> None:
                     except Exception as exc:
                         add("HF static cache + torch.compile", b, error=f"{type(exc).__name__}: {exc}"[:500])
                     torch._dynamo.reset()
-        variants = [(name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn, dms, fo, mc, gm, l2o, dh, gw) for name in args.backends.split(",") if name
+        variants = [(name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn, dms, fo, mc, gm, l2o, dh, gw, r1, am) for name in args.backends.split(",") if name
                     for skinny in args.skinny.split(",") for fold in args.fold_rms_norm.split(",") for pdl in args.pdl.split(",")
                     for limit in args.one_row_limit.split(",") for dot in args.dot.split(",")
                     for pf in args.prefetch.split(",") for dfold in args.dot_fold_norm.split(",")
@@ -506,14 +512,15 @@ def main() -> None:
                     for dms in args.decode_min_split.split(",") for fo in args.fuse_o.split(",")
                     for mc in args.decode_merge_chunk.split(",") for gm in args.gated_mlp.split(",")
                     for l2o in args.l2_prefetch_o.split(",") for dh in args.dot_heads.split(",")
-                    for gw in args.gated_weight_limit.split(",") for r1 in args.rank_one.split(",")]  # fmt: skip
+                    for gw in args.gated_weight_limit.split(",") for r1 in args.rank_one.split(",")
+                    for am in args.argmax.split(",")]  # fmt: skip
         if variant_specs:  # --variant: the named rows only, in their order
             variants = variant_specs
 
         def apply(variant: tuple) -> tuple[str, dict]:
             """Set the module settings of ``variant`` (read at compile and capture); its label and
             `attngraph.accelerate`'s keywords."""
-            name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn, dms, fo, mc, gm, l2o, dh, gw, r1 = variant
+            name, skinny, fold, pdl, limit, dot, pf, dfold, dmin, rope, l2, ne, gt, dbn, dms, fo, mc, gm, l2o, dh, gw, r1, am = variant
             label = f"attngraph[{name}]" + ("" if skinny == "on" else " skinny_linears=False") + PDL_LABELS[pdl]
             label += "" if fold == "on" else " fold_rms_norm=False"
             label += "" if limit == "default" else f" one-row GEMV <= {limit}"
@@ -534,6 +541,8 @@ def main() -> None:
             label += "" if dh == "default" else f" dot-heads={dh}"
             label += "" if gw == "default" else f" gated-weight-limit={gw}"
             label += "" if r1 == "on" else " rank-one=off"
+            label += "" if am == "kernels" else " argmax=torch"
+            attngraph.argmax.KERNELS = am == "kernels"  # read at capture (the multi-step graphs)
             # the constructor's default, read when accelerate makes the backend
             triton_backend.TritonBackend.__init__.__kwdefaults__["min_split_len"] = (
                 min_split_default if dms == "default" else int(dms))  # fmt: skip

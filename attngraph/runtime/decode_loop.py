@@ -34,6 +34,7 @@ import logging
 import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
+from ..argmax import argmax_last_dim
 from ..errors import UnsupportedGenerationError
 from .generate_checks import check_capacity, check_forward_kwargs, check_prompt_layout
 from .paged_cache import PagedCache
@@ -170,7 +171,7 @@ def paged_sample(
             next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
             rng.record()
         else:
-            next_tokens = torch.argmax(scores, dim=-1)
+            next_tokens = argmax_last_dim(scores)
         if has_eos:
             next_tokens = next_tokens * unfinished + pad * (1 - unfinished)
         input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)

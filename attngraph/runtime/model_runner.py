@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..argmax import argmax_last_dim
 from ..attn_backends.base import AttentionBackend, GraphSupport, ModelAttentionSpec
 from ..attn_backends.torch_native import TorchNativeBackend
 from ..config import CompileConfig
@@ -509,7 +510,7 @@ class ModelRunner:
         pool, out = self.pool, []
         for j in range(steps):
             batch = ForwardBatch.decode(pool, rows, [n + j for n in lengths], tokens, [p + j for p in positions])
-            tokens = torch.argmax(self.forward(batch), dim=-1)  # = of the float32 logits (`MultiStepDecodeGraphs._record`)
+            tokens = argmax_last_dim(self.forward(batch))  # = of the float32 logits (`MultiStepDecodeGraphs._record`)
             out.append(tokens)
         return torch.stack(out) if out else torch.zeros(0, len(rows), dtype=torch.long, device=self.device)
 

@@ -25,6 +25,7 @@ import logging
 
 import torch
 
+from ..argmax import argmax_last_dim
 from ..errors import CaptureError
 from ..forward_batch import ForwardBatch, ForwardMode
 from ..forward_context import ForwardContext, use_forward_context
@@ -139,8 +140,9 @@ class MultiStepDecodeGraphs:
                 logits = self.runner.ragged(ids, self._longs[0, j, :rows], self.logits_indices[:rows])[:bs]
             # HF takes the argmax of float32 logits; widening is exact and keeps their order
             # (ties: the first index either way), so the argmax of the logits themselves is the
-            # same token without a cast kernel per step
-            torch.argmax(logits, dim=-1, out=self.tokens[j, :bs])
+            # same token without a cast kernel per step; spread over the GPU (torch's reduction
+            # reads a row of the vocabulary on one SM)
+            argmax_last_dim(logits, out=self.tokens[j, :bs])
         return self.tokens[: len(batches), :bs]
 
     # ------------------------------------------------------------------ capture / replay

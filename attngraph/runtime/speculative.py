@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
+from ..argmax import argmax_last_dim
 from ..host_copy import to_device
 from .decode_loop import why_not_own_loop, check_call
 from .paged_cache import PagedCache
@@ -331,7 +332,7 @@ def _verify(cache: PagedCache, live: list[int], pending: list[int], proposal: _P
         ids = torch.cat([host[: len(pending)], proposal.device]).index_select(0, host[len(pending) :])
     # [T, V]; a round without candidates is a decode step: its graph serves it
     logits = cache.extend_each(live, ids, counts, all_logits=any(c > 1 for c in counts))
-    preds = torch.argmax(logits.float(), dim=-1)
+    preds = argmax_last_dim(logits)  # = of the float32 logits: widening is exact and keeps the order
     if proposal.device is None:
         flat, cands = preds.tolist(), proposal.host
     else:

@@ -79,14 +79,18 @@ def test_bf16_through_the_triton_linear_kernels_is_the_copy(monkeypatch, count, 
     (`fold_rope_linear`) the q/k/v GEMV rotates q and k in its epilogue (the tensor-core
     kernel's rotation: `tests/test_rope_linear.py`). With ``epilogue`` (`fold_norm_epilogue`,
     the pass told that the GEMV never takes the [256, 64] gate/up) the output projection's GEMV
-    adds the residual and normalizes the MLP's input in its epilogue. The tokens must still be
-    the copy."""
-    from attngraph import linear_ops, rms_norm, skinny_dot, skinny_linear
+    adds the residual and normalizes the MLP's input in its epilogue. The greedy tokens are
+    picked by `attngraph.argmax`'s kernels. The tokens must still be the copy."""
+    from attngraph import argmax, linear_ops, rms_norm, skinny_dot, skinny_linear
 
     if not (skinny_linear.interpreting() and skinny_dot.interpreting()) or skinny_linear.interpreter_problem():
         pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1 before import; tests/conftest.py sets it)")
     monkeypatch.setattr(linear_ops, "CPU_INTERPRETER", True)
     monkeypatch.setattr(linear_ops, "DOT_FOLD_NORM", fold_norm)
+    monkeypatch.setattr(argmax, "CPU_INTERPRETER", True)
+    picks = []
+    applies = argmax._kernel_applies
+    monkeypatch.setattr(argmax, "_kernel_applies", lambda x: picks.append(applies(x)) or picks[-1])
     norms = []
     standalone = rms_norm.add_rms_norm
     monkeypatch.setattr(rms_norm, "add_rms_norm", lambda *a: norms.append(a[0].shape[0]) or standalone(*a))
@@ -120,6 +124,7 @@ def test_bf16_through_the_triton_linear_kernels_is_the_copy(monkeypatch, count, 
     want = expected(batch, 6)
     diff = (got != want).nonzero().tolist()
     assert not diff, f"{len(diff)} tokens differ from the copy, first at [row, position] {diff[0]}"
+    assert picks and all(picks), picks  # each decode step's argmax ran the kernels
     # (accelerate's own warm-up forwards of a few tokens launch either kernel as well)
     assert launches["gemv" if count == 1 else "dot"] > 0 and (count > 1 or launches["dot"] == 0), launches
     # the norms of three-row steps: folded into the tensor-core kernel, or their own launches
