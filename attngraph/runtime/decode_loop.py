@@ -231,7 +231,7 @@ def greedy_chunks(cache: PagedCache, input_ids: torch.Tensor, model_kwargs: dict
     step at which every sequence had finished."""
     prompt_len = input_ids.shape[1]
     prefill = cache.step(input_ids, model_kwargs.get("attention_mask"), 1, model_kwargs.get("position_ids"))
-    first = torch.argmax(prefill[:, -1].float(), dim=-1)  # [B]
+    first = argmax_last_dim(prefill[:, -1])  # [B]; = of the float32 logits (widening is exact and keeps the order)
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     emitted, done, unfinished = _finish_chunk(first[None, :], unfinished, eos, pad)
     out = [input_ids, emitted.T]
