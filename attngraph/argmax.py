@@ -102,8 +102,8 @@ def argmax_last_dim(logits: torch.Tensor, out: torch.Tensor | None = None) -> to
     """``torch.argmax(logits, dim=-1)``, the same indices, in two launches over the vocabulary.
 
     ``logits``: ``[..., V]`` bf16, fp16 or fp32 on CUDA (or the CPU under Triton's
-    interpreter, with `CPU_INTERPRETER`), unit stride along V, the leading dims flattenable to rows ``[M]`` of any
-    stride. ``out``: int64 of ``logits.shape[:-1]`` on the same device (written in place and
+    interpreter, with `CPU_INTERPRETER`), unit stride along V; the leading dims are flattened
+    to rows ``[M]`` (any row stride). ``out``: int64 of ``logits.shape[:-1]`` on the same device (written in place and
     returned), or None for a new tensor. Anything else (another device or dtype, V = 0, a
     strided V) is torch.argmax's: the same result, or torch's error. CUDA-graph safe (the
     partials are allocated per call, from the capture's pool inside a capture).
