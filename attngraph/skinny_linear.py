@@ -65,7 +65,9 @@ __all__ = [
 
 #: Most rows of ``x`` one launch takes (the kernel's ``ROWS``: M padded to a power of two).
 MAX_ROWS = 8
-#: SMs the heuristic plans for (an H200); the configuration does not depend on the device.
+#: SMs the heuristic plans for (an H200); a CUDA launch's configuration does not depend on the
+#: device. Triton's CPU interpreter runs a launch's programs one after another, so its launches
+#: (tests) skip the wave rule that fills the SMs: it would only multiply their Python work.
 NUM_SMS = 132
 #: The heuristic's ``BLOCK_K`` for one row where K is a multiple of it and the weight is no
 #: output head: the measured one-row winners below use it at 8 of those 9 shapes (all but the
@@ -432,8 +434,10 @@ def _pow2_floor(v: int) -> int:
     return 1 << (max(int(v), 1).bit_length() - 1)
 
 
-def default_config(m: int, n: int, k: int, *, silu_mul: bool = False, norm: bool = False) -> dict[str, int]:
-    """Launch configuration for ``m`` rows of ``[n, k]`` weights (16-bit, H200-sized).
+def default_config(m: int, n: int, k: int, *, silu_mul: bool = False, norm: bool = False,
+                   num_sms: int = NUM_SMS) -> dict[str, int]:
+    """Launch configuration for ``m`` rows of ``[n, k]`` weights (16-bit, H200-sized; ``num_sms``
+    = 0 for the CPU interpreter: no wave rule).
 
     A `TUNED` (or `TUNED_SILU_MUL`, `TUNED_NORM`) entry for ``(rows_padded(m), n, k)`` wins
     (``norm`` without an entry of its own: `TUNED`'s). Otherwise:
@@ -463,7 +467,7 @@ def default_config(m: int, n: int, k: int, *, silu_mul: bool = False, norm: bool
     num_warps = 4
     # accumulator values per thread: rows * BLOCK_N * BLOCK_K / (32 * num_warps) <= 64
     block_n = max(2, min(16, _pow2_floor(64 * 32 * num_warps // (rows * block_k))))
-    while block_n > 2 and triton.cdiv(n, block_n) < 3 * NUM_SMS:
+    while block_n > 2 and triton.cdiv(n, block_n) < 3 * num_sms:
         block_n //= 2
     # at least one 16-byte vector (8 bf16 elements) of the weight tile per thread
     num_warps = max(1, min(num_warps, _pow2_floor(block_n * block_k // (8 * 32))))
@@ -649,7 +653,10 @@ def _launch(x, x2, weight, bias, out, config, silu_mul: bool, norm_weight=None, 
         if residual and m:
             h_out.copy_((x.float() + x2.float()).to(x.dtype))
         return out
-    cfg = default_config(m, n, k, silu_mul=silu_mul, norm=norm) if config is None else _check_config(config)
+    if config is None:  # (the interpreter's programs run one after another: no wave rule on the CPU)
+        cfg = default_config(m, n, k, silu_mul=silu_mul, norm=norm, num_sms=NUM_SMS if x.is_cuda else 0)
+    else:
+        cfg = _check_config(config)
     norm_counter = None
     if norm_out is not None:  # one K range: the epilogue needs each column's finished sum
         cfg["SPLIT_K"] = 1
