@@ -10,6 +10,8 @@ from typing import Any
 
 from .errors import ConfigError
 
+#: `CompileConfig.flashinfer_extend`'s choices.
+FLASHINFER_EXTEND = ("auto", "paged", "ragged_merge")
 CUDA_GRAPH_MODES = ("auto", "full_and_piecewise", "piecewise", "full", "breakable", "none")
 PIECE_COMPILERS = ("auto", "inductor", "eager")
 
@@ -122,6 +124,17 @@ class CompileConfig:
         Set False to run the passes for reporting only (nothing rewritten).
     deterministic:
         Fixed split counts and reduction order, so repeated runs give bit-identical results.
+    flashinfer_decode_tensor_cores:
+        FlashInfer's decode kernel: ``None`` picks the tensor-core (prefill-style) kernel for
+        GQA groups of 4 or more and the CUDA-core one below; ``True`` / ``False`` always /
+        never take the tensor-core one (``deterministic`` needs it: its fixed KV split exists
+        only there).
+    flashinfer_extend:
+        How FlashInfer runs prefill steps: ``"auto"`` (the ragged kernel where no request has a
+        cached prefix, else ``"paged"``), ``"paged"`` (the new K/V written first, one causal
+        kernel over each request's pages) or ``"ragged_merge"`` (the new tokens' ragged kernel
+        and the cached prefix's paged kernel, merged by their log-sum-exp). ``deterministic``
+        takes ``"paged"`` (``"auto"`` resolves to it; ``"ragged_merge"`` is refused).
     rank_one_products:
         Paged runtime and stateless graphs: a matrix product over one contracted element (HF's rotary angles in
         transformers 5.17, ``[B, D/2, 1] @ [B, 1, T]``) becomes the equal broadcast multiply
@@ -267,6 +280,8 @@ class CompileConfig:
     exact_token_counts: tuple[int, ...] | None = None
     lower_attention: bool = True
     deterministic: bool = False
+    flashinfer_decode_tensor_cores: bool | None = None
+    flashinfer_extend: str = "auto"
     rank_one_products: bool = True
     fuse_linears: bool = True
     skinny_linears: bool | None = None
@@ -318,6 +333,17 @@ class CompileConfig:
             if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
                 raise ConfigError(f"{fname} must be positive ints, got {sizes!r}")
             object.__setattr__(self, fname, tuple(sorted(set(sizes))))
+        if self.flashinfer_decode_tensor_cores is not None and not isinstance(self.flashinfer_decode_tensor_cores, bool):
+            raise ConfigError("flashinfer_decode_tensor_cores must be None (tensor cores from GQA group 4), True or False, "
+                              f"got {self.flashinfer_decode_tensor_cores!r}")  # fmt: skip
+        if self.flashinfer_extend not in FLASHINFER_EXTEND:
+            raise ConfigError(f"flashinfer_extend={self.flashinfer_extend!r}; choose one of {FLASHINFER_EXTEND}")
+        if self.deterministic and self.flashinfer_decode_tensor_cores is False:
+            raise ConfigError("deterministic=True needs FlashInfer's tensor-core decode (its fixed KV split exists only "
+                              "there): leave flashinfer_decode_tensor_cores None or set it True")  # fmt: skip
+        if self.deterministic and self.flashinfer_extend == "ragged_merge":
+            raise ConfigError("deterministic=True plans FlashInfer's prefill with a fixed KV split, which its paged "
+                              "kernel alone takes: use flashinfer_extend='auto' or 'paged'")  # fmt: skip
         if self.fold_rope is not None and not isinstance(self.fold_rope, bool):
             raise ConfigError(f"fold_rope must be None (on unless fuse_attention_o), True or False, got {self.fold_rope!r}")
         if self.skinny_linears is not None and not isinstance(self.skinny_linears, bool):

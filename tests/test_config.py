@@ -42,6 +42,10 @@ def test_defaults_are_valid_and_frozen():
         (dict(fold_norm_epilogue="on"), "fold_norm_epilogue must be True or False"),
         (dict(fuse_gated_mlp=True, fold_rms_norm=False), "set fold_rms_norm=True with it"),
         (dict(fuse_gated_mlp=1), "fuse_gated_mlp must be None"),
+        (dict(flashinfer_decode_tensor_cores="1"), "flashinfer_decode_tensor_cores must be None"),
+        (dict(flashinfer_extend="ragged"), "flashinfer_extend='ragged'; choose one of"),
+        (dict(deterministic=True, flashinfer_decode_tensor_cores=False), "needs FlashInfer's tensor-core decode"),
+        (dict(deterministic=True, flashinfer_extend="ragged_merge"), "use flashinfer_extend='auto' or 'paged'"),
     ],
 )
 def test_bad_values_raise_at_construction(kwargs, needle):

@@ -25,8 +25,8 @@ Decode
 ------
 ``BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=gqa_group >= 4)``: at
 group 4 the tensor-core kernel reads the KV cache at 98% of copy bandwidth on the H200 against
-65% for the CUDA-core one (``decode_tensor_cores=`` or ``ATTNGRAPH_FLASHINFER_DECODE_TC=0|1``
-override the rule).
+65% for the CUDA-core one (``CompileConfig.flashinfer_decode_tensor_cores``, the constructor's
+``decode_tensor_cores``, overrides the rule).
 After `init_cuda_graph_state`, batch sizes that are captured use wrappers built with
 ``use_cuda_graph=True`` whose indptr / indices / last_page_len buffers are views of buffers
 preallocated here (one wrapper per (batch size, kind); one int workspace per kind, shared by
@@ -59,8 +59,9 @@ Measured on the H200 (bf16, 32/8 heads, d128; benchmarks/BENCHMARKS.md): with no
 the ragged kernel alone is faster (4 x 2048 new tokens: 559 vs 460 TFLOP/s; 1 x 8192: 666 vs
 560); over a long cached prefix (4 x 512 new on 3584 cached) (b) wins by 2x (552 vs 271) since
 (a) runs two kernels and a merge. So the default ``"auto"`` takes the ragged kernel for steps in
-which no request has a cached prefix (no merge needed) and (b) otherwise. ``extend_impl=`` or
-``ATTNGRAPH_FLASHINFER_EXTEND`` (``auto`` | ``paged`` | ``ragged_merge``) force one design.
+which no request has a cached prefix (no merge needed) and (b) otherwise.
+``CompileConfig.flashinfer_extend`` (the constructor's ``extend_impl``: ``auto`` | ``paged`` |
+``ragged_merge``) forces one design.
 
 Determinism
 -----------
@@ -93,13 +94,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from typing import Iterable
 
 import flashinfer  # ImportError here -> BackendUnavailableError in the registry
 import torch
 
-from ..errors import CaptureError
+from ..config import FLASHINFER_EXTEND
+from ..errors import CaptureError, ConfigError
 from ..forward_batch import ForwardBatch, ForwardMode
 from .base import AttentionBackend, AttentionLayer, BackendCapabilities, GraphSupport, check_out
 from .triton_ops.decode_attention import check_sinks
@@ -115,7 +116,7 @@ INT_WORKSPACE_BYTES = 8 * 1024 * 1024
 #: H200 (benchmarks/BENCHMARKS.md): at group 4, bf16, d128, 64 x 2048 tokens, the tensor-core
 #: kernel reads KV at 98% of copy bandwidth against 65% for the CUDA-core decode kernel.
 TENSOR_CORE_MIN_GROUP = 4
-EXTEND_IMPLS = ("auto", "paged", "ragged_merge")
+EXTEND_IMPLS = FLASHINFER_EXTEND
 #: KV tokens per split when ``deterministic=True`` (converted to pages at plan time).
 DETERMINISTIC_SPLIT_TOKENS = 2048
 
@@ -236,17 +237,18 @@ class FlashInferBackend(AttentionBackend):
         deterministic: bool = False,
     ) -> None:
         super().__init__(spec)
-        env_tc = os.environ.get("ATTNGRAPH_FLASHINFER_DECODE_TC", "")
-        if decode_tensor_cores is None and env_tc:
-            if env_tc not in ("0", "1"):
-                raise ValueError(
-                    f"ATTNGRAPH_FLASHINFER_DECODE_TC={env_tc!r}: use 1 (tensor-core decode), 0 (CUDA-core "
-                    "decode), or leave it unset (tensor cores from GQA group 4)"
-                )
-            decode_tensor_cores = env_tc == "1"
+        if decode_tensor_cores is not None and not isinstance(decode_tensor_cores, bool):
+            raise ConfigError(f"decode_tensor_cores must be None (tensor cores from GQA group {TENSOR_CORE_MIN_GROUP}), "
+                              f"True or False, got {decode_tensor_cores!r}")  # fmt: skip
+        extend_impl = extend_impl or "auto"
+        if extend_impl not in EXTEND_IMPLS:
+            raise ConfigError(f"extend_impl must be one of {EXTEND_IMPLS}, got {extend_impl!r}")
         if deterministic:
             if decode_tensor_cores is False:
-                raise ValueError("deterministic=True needs the tensor-core decode (fixed KV split size)")
+                raise ConfigError("deterministic=True needs the tensor-core decode (fixed KV split size)")
+            if extend_impl == "ragged_merge":
+                raise ConfigError("deterministic=True needs the paged prefill (fixed KV split size); "
+                                  "use extend_impl='auto' or 'paged'")  # fmt: skip
             decode_tensor_cores = True
             extend_impl = "paged"
         #: Batch-invariant results: every plan splits the KV at a fixed number of pages
@@ -256,9 +258,6 @@ class FlashInferBackend(AttentionBackend):
         self.deterministic = bool(deterministic)
         #: None: tensor-core decode for GQA groups >= TENSOR_CORE_MIN_GROUP; True / False: always / never.
         self.decode_tensor_cores = decode_tensor_cores
-        extend_impl = extend_impl or os.environ.get("ATTNGRAPH_FLASHINFER_EXTEND", "auto")
-        if extend_impl not in EXTEND_IMPLS:
-            raise ValueError(f"extend_impl must be one of {EXTEND_IMPLS}, got {extend_impl!r}")
         self.extend_impl = extend_impl
         self._kinds: dict[tuple[_Kind, bool], None] = {}  # (kind, decode) -> None, ordered set
         self._workspace: torch.Tensor | None = None

@@ -173,7 +173,7 @@ def create_attention_backend(
     ``attention_backend`` is a registered name or ``"auto"``; it may also be a `CompileConfig`
     (its three backend fields), in which case the other two arguments must be left out.
     ``None`` for the prefill or decode name inherits ``attention_backend``. A config's
-    ``deterministic`` goes to backends that take it. Names are resolved (``"auto"`` included)
+    ``deterministic`` and ``flashinfer_*`` options go to backends that take them. Names are resolved (``"auto"`` included)
     before comparing, so ``("auto", decode="triton")`` on a machine where auto picks Triton
     gives one backend. Raises `BackendUnavailableError` naming the alternatives when a name
     cannot serve ``spec``, and `InputError` for an ``attention_backend`` that is neither a name
@@ -186,7 +186,8 @@ def create_attention_backend(
             raise InputError("pass either a CompileConfig or backend names, not both")
         attention_backend = cfg.attention_backend
         prefill_attention_backend, decode_attention_backend = cfg.prefill_attention_backend, cfg.decode_attention_backend
-        options["deterministic"] = cfg.deterministic
+        options.update(deterministic=cfg.deterministic, decode_tensor_cores=cfg.flashinfer_decode_tensor_cores,
+                       extend_impl=cfg.flashinfer_extend)  # (FlashInfer's options; a backend takes those it names)
     elif not isinstance(attention_backend, str):
         raise InputError(f"attention_backend must be a backend name or a CompileConfig, got {type(attention_backend).__name__}")
     prefill_name = resolve_backend_name(prefill_attention_backend or attention_backend, spec)
