@@ -23,10 +23,10 @@ planning a new kind during CUDA-graph capture is impossible and raises `CaptureE
 
 Decode
 ------
-``BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=gqa_group >= 4)``: at
-group 4 the tensor-core kernel reads the KV cache at 98% of copy bandwidth on the H200 against
-65% for the CUDA-core one (``CompileConfig.flashinfer_decode_tensor_cores``, the constructor's
-``decode_tensor_cores``, overrides the rule).
+``BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=gqa_group >= 4)``: from
+group 4 the tensor-core kernel reads the KV cache faster (`TENSOR_CORE_MIN_GROUP`);
+``CompileConfig.flashinfer_decode_tensor_cores`` (the constructor's ``decode_tensor_cores``)
+overrides the rule.
 After `init_cuda_graph_state`, batch sizes that are captured use wrappers built with
 ``use_cuda_graph=True`` whose indptr / indices / last_page_len buffers are views of buffers
 preallocated here (one wrapper per (batch size, kind); one int workspace per kind, shared by
@@ -55,10 +55,9 @@ long new segments on short prefixes, at the cost of two kernels, two plans and a
 prefix part sees positions shifted by the extend length, so a sliding window would need a
 custom mask: window kinds always use (b).
 
-Measured on the H200 (bf16, 32/8 heads, d128; benchmarks/BENCHMARKS.md): with no cached prefix
-the ragged kernel alone is faster (4 x 2048 new tokens: 559 vs 460 TFLOP/s; 1 x 8192: 666 vs
-560); over a long cached prefix (4 x 512 new on 3584 cached) (b) wins by 2x (552 vs 271) since
-(a) runs two kernels and a merge. So the default ``"auto"`` takes the ragged kernel for steps in
+The attention table of benchmarks/BENCHMARKS.md times both: the ragged kernel alone wins
+with no cached prefix, (b) wins over a long cached prefix, where (a) runs two kernels and a
+merge. So the default ``"auto"`` takes the ragged kernel for steps in
 which no request has a cached prefix (no merge needed) and (b) otherwise.
 ``CompileConfig.flashinfer_extend`` (the constructor's ``extend_impl``: ``auto`` | ``paged`` |
 ``ragged_merge``) forces one design.
