@@ -27,6 +27,8 @@
 #   bash benchmarks/run_gpu.sh dot-rows  # the tensor-core kernel at 16 and 4 rows alone: plain, q/k/v rotated,
 #                                      # behind the norm's launch or with the norm in its loads, the gate/up with
 #                                      # SiLU * up in its epilogue over a few tiles, LM heads (about 2 minutes)
+#   bash benchmarks/run_gpu.sh accept  # the decode targets: 1B at batches 1 and 16 with the one-row gate/up on
+#                                      # cuBLAS beside the defaults, then 8B at 1 and 16 (stopped at 330 s and 220 s)
 #   QUICK=1 ...                        # shorter benchmark: quick kernel shapes, batch 1 only
 set -u
 OUT=${OUT:-benchmarks/results}
@@ -127,5 +129,18 @@ if [ "$stage" = dot-rows ]; then
     timeout 300 python3 benchmarks/bench_skinny_gemm.py --dot --dot-default --dot-heads --norm --rows 16,4 --no-gemv --shapes 1b,8b \
         --out "$OUT/skinny_dot_rows.json" > "$OUT/skinny_dot_rows.md" 2>&1
     echo "bench_skinny_gemm rc=$?" >> "$OUT/device.txt"
+fi
+if [ "$stage" = accept ]; then
+    # The decode targets on this machine, each row against the floor measured in the same run: 1B at batches
+    # 1 and 16 with the defaults twice around the 1B one-row gate/up on cuBLAS (a weight limit of 2**24
+    # elements), then 8B at batches 1 and 16.
+    timeout 330 python3 benchmarks/bench_generate.py --shapes 1b --batches 1,16 --backends triton --repeats 5 \
+        --interleave --variant default --variant one-row-limit=16777216 --variant default \
+        --out "$OUT/generate_accept_1b.json" 2>&1 | tr '\r' '\n' | grep -v "it/s\|s/it\|size/s" > "$OUT/generate_accept_1b.log"
+    echo "bench_generate 1b rc=${PIPESTATUS[0]}" >> "$OUT/device.txt"
+    timeout 220 python3 benchmarks/bench_generate.py --shapes 8b --batches 1,16 --backends triton --repeats 3 \
+        --interleave --variant default --out "$OUT/generate_accept_8b.json" 2>&1 \
+        | tr '\r' '\n' | grep -v "it/s\|s/it\|size/s" > "$OUT/generate_accept_8b.log"
+    echo "bench_generate 8b rc=${PIPESTATUS[0]}" >> "$OUT/device.txt"
 fi
 echo "done" >> "$OUT/device.txt"
