@@ -19,7 +19,8 @@
 Devices: CUDA; and the CPU in Triton's interpreter when ``TRITON_INTERPRET=1`` was set before
 attngraph was imported (Triton decides when a ``@triton.jit`` function is defined). Then the
 capabilities declare ``("cuda", "cpu")`` and ``accelerate(model, attention_backend="triton")``
-serves CPU tensors (slowly: it is for stepping through the kernels); ``"auto"`` still picks
+serves CPU tensors (slowly: it is for stepping through the kernels; decode's split axis stops
+at the batch's longest request, `TritonBackend._launch_splits`); ``"auto"`` still picks
 torch_native on CPU. Without the variable a CPU model is refused with a message naming it.
 
 Example
@@ -185,6 +186,17 @@ class TritonBackend(AttentionBackend):
         per_split = max(1, batch_size * num_kv_heads)
         return max(1, min(self.max_kv_splits, -(-target // per_split)))
 
+    def _launch_splits(self, splits: int, seq_lens: torch.Tensor, device: torch.device) -> int:
+        """The split axis of a launch: ``splits`` on CUDA (static per batch size, as a captured
+        graph needs); over CPU tensors cut to the most splits a request of the batch uses, ``cdiv(max(seq_lens),
+        min_split_len)``, since the interpreter runs every program in turn, those past a
+        request's last split included. A request's split count, ``clamp(cdiv(span,
+        min_split_len), 1, splits)`` with ``span <= seq_len``, and so its result stay the same."""
+        if device.type != "cpu" or seq_lens.numel() == 0:
+            return splits
+        longest = int(seq_lens.max())  # a CPU tensor here: no device sync
+        return max(1, min(splits, -(-longest // self.min_split_len)))
+
     def init_forward_metadata_out_graph(self, batch: "ForwardBatch", in_capture: bool = False) -> None:
         """Host side: remember the longest new-token run (extend's grid) from the host copy,
         or the captured graph's fixed bound."""
@@ -321,7 +333,7 @@ class TritonBackend(AttentionBackend):
         if out is None:
             out = q.new_empty((bsz, layer.num_q_heads, pool.v_head_dim))
         self._prefetch_for_decode(layer.layer_id, q.device)
-        splits = self.decode_max_splits(bsz, pool.num_kv_heads, q.device)
+        splits = self._launch_splits(self.decode_max_splits(bsz, pool.num_kv_heads, q.device), batch.seq_lens, q.device)
         part_o, part_lse = self._partials(bsz, layer.num_q_heads, splits, pool.v_head_dim, q.device)
         # A decode query is the last key, so causal and non-causal see the same keys.
         return decode_attention_fwd(
@@ -370,6 +382,7 @@ class TritonBackend(AttentionBackend):
         splits = self.decode_max_splits(1, hkv, q.device)
         if self.fused_o_max_splits is not None:
             splits = max(1, min(splits, self.fused_o_max_splits))
+        splits = self._launch_splits(splits, batch.seq_lens, q.device)
         part_o, part_lse = self._partials(1, hq, splits, d, q.device)
         y = q.new_empty((q.shape[0], weight.shape[0]))
         decode_attention_o_fwd(

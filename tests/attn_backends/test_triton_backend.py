@@ -275,6 +275,28 @@ def test_deterministic_is_batch_invariant():
     assert torch.equal(out, together[:1])
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU (interpreter) launch")
+@pytest.mark.parametrize("deterministic,max_kv_splits,bound,want", [(True, 32, 32, 3), (False, 32, 4, 3), (True, 2, 2, 2)])
+def test_cpu_decode_split_axis_stops_at_the_longest_request(monkeypatch, deterministic, max_kv_splits, bound, want):
+    """Over CPU tensors the grid's split axis is what the longest request uses (21 + 1 keys in
+    splits of 8: 3), not the batch's bound (`decode_max_splits`); a smaller bound still caps it."""
+    import attngraph.attn_backends.triton_backend as tb
+
+    hq, hkv, d = 4, 2, 16
+    pool, batch, q, k, v = make_step([21, 5], [1, 1], hq=hq, hkv=hkv, d=d, page_size=4, dtype=torch.float32)
+    backend = TritonBackend(deterministic=deterministic, min_split_len=8, max_kv_splits=max_kv_splits)
+    assert backend.decode_max_splits(2, hkv, q.device) == bound
+    seen, launch = [], tb.decode_attention_fwd
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["max_splits"], args[7].shape[2]))  # the grid's axis, partial_out's splits
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(tb, "decode_attention_fwd", spy)
+    run_and_check(backend, q, k, v, layer_for(hq, hkv, d), batch)
+    assert seen == [(want, want)]
+
+
 def test_cuda_graph_state_buffers_are_used():
     hq, hkv, d = 8, 2, 32
     spec = ModelAttentionSpec(num_layers=1, num_q_heads=hq, num_kv_heads=hkv, head_dims=(d,), dtype=torch.float32,
