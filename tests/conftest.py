@@ -14,30 +14,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    if config.pluginmanager.hasplugin("xdist"):
-        for item in items:
-            if _shares_state_across_tests(item):
-                item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-def _shares_state_across_tests(item) -> bool:
-    """Whether a test uses something its module builds once for several tests: a fixture of
-    this suite scoped wider than a test, or Dynamo's cache kept between tests. Under
-    ``pytest -n N --dist loadgroup`` such a module runs in one worker (built once); other tests
-    are spread one by one."""
-    if item.get_closest_marker("keep_dynamo_cache") is not None:
-        return True
-    info = getattr(item, "_fixtureinfo", None)
-    defs = [d for ds in (info.name2fixturedefs.values() if info else ()) for d in ds]
-    return any(d.scope != "function" and d.baseid.startswith("tests") for d in defs)
 
 
 @pytest.fixture(autouse=True)
