@@ -188,9 +188,9 @@ class TritonBackend(AttentionBackend):
 
     def _launch_splits(self, splits: int, seq_lens: torch.Tensor, device: torch.device) -> int:
         """The split axis of a launch: ``splits`` on CUDA (static per batch size, as a captured
-        graph needs); over CPU tensors cut to the most splits a request of the batch uses, ``cdiv(max(seq_lens),
-        min_split_len)``, since the interpreter runs every program in turn, those past a
-        request's last split included. A request's split count, ``clamp(cdiv(span,
+        graph needs). Over CPU tensors it is cut to the most splits a request of the batch uses,
+        ``cdiv(max(seq_lens), min_split_len)``: the interpreter runs every program in turn, those
+        past a request's last split included. A request's own split count, ``clamp(cdiv(span,
         min_split_len), 1, splits)`` with ``span <= seq_len``, and so its result stay the same."""
         if device.type != "cpu" or seq_lens.numel() == 0:
             return splits
